@@ -1,0 +1,161 @@
+"""Typed parquet I/O and atomic file writes.
+
+Every artifact has one pyarrow schema in :mod:`mars.data.schemas`. :func:`write_table`
+checks a table against it (column names, order, types and non-null columns) and writes
+atomically: a temp file in the destination directory, fsync, then ``os.replace``, so a
+crash or a failed check never leaves a half-written or clobbered output.
+:func:`read_table` checks what it reads and fails with a :class:`SchemaError` that names
+the file, the column, the expected and the found type, and how to fix it.
+
+Stages use polars for frames: :func:`read_frame` / :func:`write_frame` wrap the same
+checks around ``polars.DataFrame``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+if TYPE_CHECKING:  # polars is imported lazily: not every caller needs it
+    import polars as pl
+
+
+class SchemaError(ValueError):
+    """A table or parquet file does not match its artifact schema."""
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
+    """Yield a temp path beside ``path``; on success fsync it and rename it onto ``path``.
+
+    On any exception the temp file is removed and ``path`` is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w", **kwargs) -> Iterator[IO]:
+    """``open()`` for writing that lands atomically (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp, open(tmp, mode, **kwargs) as fh:
+        yield fh
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_open(path, "wb") as fh:
+        fh.write(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    with atomic_open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem allows opening directories
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def check_schema(actual: pa.Schema, expected: pa.Schema, where: str) -> None:
+    """Raise :class:`SchemaError` describing the first difference between two schemas."""
+    exp_names, act_names = expected.names, actual.names
+    missing = [n for n in exp_names if n not in act_names]
+    if missing:
+        raise SchemaError(
+            f"{where}: column '{missing[0]}' is missing (expected type {expected.field(missing[0]).type}); "
+            f"found columns {act_names}. Regenerate the file with the stage that writes it."
+        )
+    extra = [n for n in act_names if n not in exp_names]
+    if extra:
+        raise SchemaError(f"{where}: unexpected column '{extra[0]}' (expected columns {exp_names}).")
+    for field in expected:
+        found = actual.field(field.name)
+        if pa.types.is_null(found.type) and field.nullable:
+            continue  # an all-null column of a nullable field casts to its type
+        if not found.type.equals(field.type):
+            raise SchemaError(
+                f"{where}: column '{field.name}' has type {found.type}, expected {field.type}. "
+                f"Cast the column (e.g. polars .cast) or regenerate the file."
+            )
+    if act_names != exp_names:
+        raise SchemaError(f"{where}: columns are in order {act_names}, expected {exp_names}.")
+
+
+def conform(table: pa.Table, schema: pa.Schema, where: str = "table") -> pa.Table:
+    """Check ``table`` against ``schema`` and return it carrying exactly that schema.
+
+    Fails on missing, extra or mistyped columns and on nulls in non-nullable columns.
+    """
+    check_schema(table.schema, schema, where)
+    for field in schema:
+        if not field.nullable:
+            nulls = table.column(field.name).null_count
+            if nulls:
+                raise SchemaError(f"{where}: column '{field.name}' must not be null, found {nulls} null value(s).")
+    return table.cast(schema) if not table.schema.equals(schema) else table
+
+
+def write_table(table: pa.Table, path: str | Path, schema: pa.Schema) -> Path:
+    """Validate ``table`` against ``schema`` and write it to ``path`` atomically."""
+    path = Path(path)
+    table = conform(table, schema, f"writing {path}")
+    with atomic_path(path, ".parquet") as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    return path
+
+
+def read_table(path: str | Path, schema: pa.Schema) -> pa.Table:
+    """Read a parquet file, failing with file/column/expected/found types on a mismatch."""
+    path = Path(path)
+    if not path.is_file():
+        raise SchemaError(f"{path}: file not found; run the stage that writes it (dvc repro) or fix the path.")
+    try:
+        found = pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SchemaError(f"{path}: not a readable parquet file ({exc}).") from None
+    check_schema(found, schema, str(path))
+    table = pq.read_table(path, schema=None)
+    return conform(table, schema, str(path))
+
+
+def read_frame(path: str | Path, schema: pa.Schema) -> "pl.DataFrame":
+    """:func:`read_table` as a polars DataFrame."""
+    import polars as pl
+
+    return pl.from_arrow(read_table(path, schema))  # type: ignore[return-value]
+
+
+def write_frame(frame: "pl.DataFrame", path: str | Path, schema: pa.Schema) -> Path:
+    """Write a polars DataFrame as the artifact ``schema`` (columns cast to its types)."""
+    table = frame.to_arrow()
+    if set(table.column_names) == set(schema.names):
+        table = table.select(schema.names)
+        casted = []
+        for field in schema:
+            col = table.column(field.name)
+            casted.append(col.cast(field.type) if not col.type.equals(field.type) else col)
+        table = pa.Table.from_arrays(casted, schema=schema)
+    return write_table(table, path, schema)

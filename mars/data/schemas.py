@@ -1,0 +1,137 @@
+"""Arrow schemas of every artifact the pipeline writes, declared once.
+
+Each artifact named in DESIGN.md section 2 has exactly one schema here; stages pass
+these objects to :func:`mars.data.io.write_table` / :func:`mars.data.io.read_table`
+and the quality suites in :mod:`mars.data.suites` are keyed by the same names.
+Columns marked ``nullable=False`` must never hold nulls.
+
+Run ``python -m mars.data.schemas`` to print every schema.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+
+def _f(name: str, typ: pa.DataType, nullable: bool = False) -> pa.Field:
+    return pa.field(name, typ, nullable=nullable)
+
+
+# --- world stage -----------------------------------------------------------------
+
+ENTITIES = pa.schema(
+    [
+        _f("entity_id", pa.string()),
+        _f("name", pa.string()),
+        _f("kind", pa.string()),  # e.g. "observatory", "guild", ... (what the entity is)
+        _f("founded_year", pa.int32()),
+        _f("city", pa.string()),
+        _f("founder", pa.string()),
+        _f("emblem", pa.string()),  # JSON: the procedural emblem spec (shape, colours, glyph)
+        _f("is_distractor", pa.bool_()),  # similar-name entity that exists only in the corpus
+    ]
+)
+
+CORPUS = pa.schema(
+    [
+        _f("doc_id", pa.string()),
+        _f("entity_id", pa.string()),
+        _f("title", pa.string()),
+        _f("text", pa.string()),
+        _f("is_distractor", pa.bool_()),
+    ]
+)
+
+GALLERY = pa.schema(
+    [
+        _f("gallery_id", pa.string()),
+        _f("entity_id", pa.string()),
+        _f("title", pa.string()),
+        _f("path", pa.string()),  # relative to the gallery directory
+        _f("split", pa.string()),  # "index" (searchable) or "heldout" (recall probes)
+        _f("width", pa.int32()),
+        _f("height", pa.int32()),
+    ]
+)
+
+RAW_IMAGES = pa.schema(
+    [
+        _f("image_id", pa.string()),
+        _f("path", pa.string()),  # relative to the raw pool directory
+        _f("source", pa.string()),  # "generated", "folder" or "urls"
+        _f("scene_id", pa.string(), nullable=True),  # set for generated scenes
+        _f("planted_case", pa.string(), nullable=True),  # which curation trap this file is
+        _f("expected_reason", pa.string(), nullable=True),  # reject reason curation should give
+        _f("bytes", pa.int64()),
+        _f("sha256", pa.string()),
+    ]
+)
+
+WORLD_TRUTH = pa.schema(
+    [
+        _f("scene_id", pa.string()),
+        _f("image_id", pa.string()),
+        _f("entity_id", pa.string()),
+        _f("x0", pa.int32()),
+        _f("y0", pa.int32()),
+        _f("x1", pa.int32()),
+        _f("y1", pa.int32()),
+        _f("is_target", pa.bool_()),
+        _f("scene_width", pa.int32()),
+        _f("scene_height", pa.int32()),
+        _f("grid_rows", pa.int32()),
+        _f("grid_cols", pa.int32()),
+        _f("cell_row", pa.int32()),
+        _f("cell_col", pa.int32()),
+        _f("cue", pa.string()),  # how the target is singled out, e.g. "red_frame"
+        _f("difficulty", pa.int32()),
+    ]
+)
+
+# --- curate stage -------------------------------------------------------------------
+
+CURATED = pa.schema(
+    [
+        _f("image_id", pa.string()),
+        _f("path", pa.string()),  # source file, relative to the raw pool directory
+        _f("derivative", pa.string(), nullable=True),  # RGB re-encode, relative to the curated dir
+        _f("sha256", pa.string()),
+        _f("width", pa.int32()),  # after EXIF orientation
+        _f("height", pa.int32()),
+        _f("mode", pa.string()),  # PIL mode of the source file
+        _f("phash", pa.string()),  # 64-bit perceptual hash, 16 hex digits
+        _f("quality", pa.float64()),
+    ]
+)
+
+REJECTS = pa.schema(
+    [
+        _f("image_id", pa.string()),
+        _f("path", pa.string()),
+        _f("reason", pa.string()),
+        _f("detail", pa.string()),
+    ]
+)
+
+ARTIFACTS: dict[str, pa.Schema] = {
+    "entities": ENTITIES,
+    "corpus": CORPUS,
+    "gallery": GALLERY,
+    "raw_images": RAW_IMAGES,
+    "world_truth": WORLD_TRUTH,
+    "curated": CURATED,
+    "rejects": REJECTS,
+}
+
+
+def schema_for(artifact: str) -> pa.Schema:
+    """Return the schema of ``artifact`` or fail naming the known artifacts."""
+    try:
+        return ARTIFACTS[artifact]
+    except KeyError:
+        raise KeyError(f"unknown artifact {artifact!r}; known: {sorted(ARTIFACTS)}") from None
+
+
+if __name__ == "__main__":
+    for name, schema in ARTIFACTS.items():
+        print(f"# {name}\n{schema}\n")

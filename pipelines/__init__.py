@@ -1,0 +1,1 @@
+"""Prefect flows and deployments that run the DVC stages (thin: they never re-implement a stage)."""

@@ -1,0 +1,138 @@
+"""Thin helpers over the DVC command line: the stage DAG, status, repro and experiments.
+
+The Prefect flow never re-implements a stage: it asks DVC. :func:`read_dag` reads
+dvc.yaml (stage names, deps, outs, metrics; the DAG follows from outs feeding deps) and
+:func:`ordered` gives a topological order of a subset plus everything it needs.
+:func:`run_dvc` runs one DVC command and streams its output line by line to a callback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import yaml
+
+
+class DvcError(RuntimeError):
+    """A DVC command failed or dvc.yaml is not what the pipeline expects."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    deps: tuple[str, ...]
+    outs: tuple[str, ...]
+    metrics: tuple[str, ...] = ()
+    upstream: frozenset[str] = field(default_factory=frozenset)
+
+
+def _paths(entries: Iterable) -> tuple[str, ...]:
+    out = []
+    for e in entries or ():
+        out.append(next(iter(e)) if isinstance(e, dict) else str(e))
+    return tuple(out)
+
+
+def _under(path: str, root: str) -> bool:
+    p, r = PurePosixPath(path), PurePosixPath(root)
+    return p == r or r in p.parents or p in r.parents
+
+
+def read_dag(repo: str | Path = ".") -> dict[str, StageSpec]:
+    """Parse ``dvc.yaml`` into stage specs with their upstream stages resolved."""
+    path = Path(repo) / "dvc.yaml"
+    if not path.is_file():
+        raise DvcError(f"{path}: not found; run from the repository root (or pass repo=...)")
+    doc = yaml.safe_load(path.read_text()) or {}
+    raw = doc.get("stages") or {}
+    specs = {}
+    for name, st in raw.items():
+        if "foreach" in st or "matrix" in st:
+            raise DvcError(f"{path}: stage '{name}' uses foreach/matrix, which the pipeline flow does not expand")
+        metrics = _paths(st.get("metrics"))
+        outs = _paths(st.get("outs")) + metrics + _paths(st.get("plots"))
+        specs[name] = StageSpec(name, _paths(st.get("deps")), outs, metrics)
+    resolved = {}
+    for name, spec in specs.items():
+        ups = {
+            other.name
+            for other in specs.values()
+            if other.name != name and any(_under(d, o) for d in spec.deps for o in other.outs)
+        }
+        resolved[name] = StageSpec(spec.name, spec.deps, spec.outs, spec.metrics, frozenset(ups))
+    return resolved
+
+
+def ordered(dag: dict[str, StageSpec], wanted: Iterable[str] | None = None) -> list[str]:
+    """Topological order (dvc.yaml order among equals) of ``wanted`` plus their ancestors."""
+    wanted = list(dag) if wanted is None else list(wanted)
+    for name in wanted:
+        if name not in dag:
+            raise DvcError(f"unknown stage '{name}'; stages in dvc.yaml: {', '.join(dag) or '(none)'}")
+    needed: set[str] = set()
+    stack = list(wanted)
+    while stack:
+        name = stack.pop()
+        if name not in needed:
+            needed.add(name)
+            stack.extend(dag[name].upstream)
+    order: list[str] = []
+    remaining = [n for n in dag if n in needed]
+    while remaining:
+        ready = [n for n in remaining if dag[n].upstream <= set(order)]
+        if not ready:
+            raise DvcError(f"dvc.yaml has a cycle among {remaining}")
+        order.append(ready[0])
+        remaining.remove(ready[0])
+    return order
+
+
+def dvc_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("DVC_NO_ANALYTICS", "1")
+    # Stages run `python -m stages.<name>`: use the interpreter that runs us.
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def dvc_bin() -> list[str]:
+    return [sys.executable, "-m", "dvc"]
+
+
+def run_dvc(args: list[str], repo: str | Path, on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
+    """Run ``dvc <args>`` in ``repo``, streaming merged stdout/stderr lines to ``on_line``."""
+    proc = subprocess.Popen(
+        dvc_bin() + args,
+        cwd=repo,
+        env=dvc_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        lines.append(line)
+        if on_line:
+            on_line(line)
+    return proc.wait(), "\n".join(lines)
+
+
+def stage_is_current(stage: str, repo: str | Path) -> bool:
+    """True when ``dvc status <stage>`` reports nothing changed for the stage itself."""
+    proc = subprocess.run(
+        dvc_bin() + ["status", "--json", stage], cwd=repo, env=dvc_env(), capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise DvcError(f"dvc status {stage} failed:\n{proc.stdout}\n{proc.stderr}")
+    import json
+
+    status = json.loads(proc.stdout.strip().splitlines()[-1] or "{}")
+    return stage not in status and not any(k.endswith(f":{stage}") for k in status)

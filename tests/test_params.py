@@ -1,0 +1,111 @@
+"""params.yaml loading: strict keys and types, profiles, clear errors before any work."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mars.params import ParamsError, build_dataclass, load_params
+from tests.conftest import REPO, sh
+
+
+@dataclass(frozen=True)
+class P:
+    n_items: int = 4
+    rate: float = 0.5
+    name: str = "x"
+    flag: bool = False
+    sizes: tuple[int, ...] = (1, 2)
+    mode: str | None = None
+    seed: int = 0
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = "base: {seed: 7, profile: default}\nprofiles:\n  default: {s: {}}\n  smoke: {s: {n_items: 1}}\n"
+
+
+def test_loads_section_with_defaults_and_base_seed(tmp_path):
+    p = load_params("s", P, write(tmp_path, BASE + "s: {rate: 2, sizes: [3, 4, 5]}\n"))
+    assert p == P(n_items=4, rate=2.0, sizes=(3, 4, 5), seed=7)
+    assert isinstance(p.rate, float)
+
+
+def test_profile_overrides_apply(tmp_path):
+    text = BASE.replace("profile: default", "profile: smoke") + "s: {n_items: 9}\n"
+    assert load_params("s", P, write(tmp_path, text)).n_items == 1
+
+
+def test_unknown_key_names_key_section_type_and_nearest(tmp_path):
+    with pytest.raises(ParamsError) as exc:
+        load_params("s", P, write(tmp_path, BASE + "s: {n_itemz: 3}\n"))
+    msg = str(exc.value)
+    assert "unknown key 'n_itemz'" in msg and "[s," in msg
+    assert "Nearest valid key: 'n_items' (expects int)" in msg
+
+
+def test_base_typo_is_reported_with_nearest_key(tmp_path):
+    text = BASE.replace("seed: 7", "seeed: 1") + "s: {}\n"
+    with pytest.raises(ParamsError, match=r"\[base\]: unknown key 'seeed'\. Nearest valid key: 'seed' \(expects int\)"):
+        load_params("s", P, write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("n_items: ten", "key 'n_items': expected int, found str ('ten')"),
+        ("n_items: true", "key 'n_items': expected int, found bool"),
+        ("flag: 1", "key 'flag': expected bool, found int"),
+        ("rate: fast", "key 'rate': expected float, found str"),
+        ("sizes: [1, two]", "key 'sizes'[1]: expected int, found str"),
+        ("mode: 3", "key 'mode': expected str | null, found int"),
+    ],
+)
+def test_mistyped_values(tmp_path, line, expected):
+    with pytest.raises(ParamsError) as exc:
+        load_params("s", P, write(tmp_path, BASE + "s:\n  " + line + "\n"))
+    assert expected in str(exc.value)
+
+
+def test_missing_profile_and_section_errors(tmp_path):
+    with pytest.raises(ParamsError, match="profile' names 'smok'.*Nearest: 'smoke'"):
+        load_params("s", P, write(tmp_path, BASE.replace("profile: default", "profile: smok") + "s: {}\n"))
+    with pytest.raises(ParamsError, match="section 's' is missing"):
+        load_params("s", P, write(tmp_path, BASE))
+    text = "base: {seed: 1, profile: default}\nprofiles: {default: {}}\ns: {}\n"
+    with pytest.raises(ParamsError, match=r"profiles.default\]: has no entry for section 's'"):
+        load_params("s", P, write(tmp_path, text))
+
+
+def test_post_init_validation_is_reported(tmp_path):
+    @dataclass(frozen=True)
+    class G:
+        group: int = 2
+
+        def __post_init__(self):
+            if self.group < 2:
+                raise ValueError(f"group must be >= 2, got {self.group}")
+
+    with pytest.raises(ParamsError, match="where: group must be >= 2, got 1"):
+        build_dataclass(G, {"group": 1}, "where")
+
+
+def test_repository_params_are_valid():
+    proc = sh([sys.executable, "-m", "mars.cli", "params", "check"], REPO)
+    assert "ok (profile default" in proc.stdout
+
+
+def test_typo_fails_before_any_work(toy_repo):
+    text = (toy_repo / "params.yaml").read_text().replace("seed: 3", "seeed: 1")
+    (toy_repo / "params.yaml").write_text(text)
+    proc = sh([sys.executable, "-m", "dvc", "repro"], toy_repo, check=False)
+    assert proc.returncode != 0
+    assert "unknown key 'seeed'. Nearest valid key: 'seed' (expects int)" in proc.stdout + proc.stderr
+    assert not (toy_repo / "out").exists()  # no stage wrote anything

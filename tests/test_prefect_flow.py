@@ -1,0 +1,94 @@
+"""The mars_pipeline flow against a real Prefect server on 127.0.0.1 in a temporary PREFECT_HOME."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import httpx
+import pytest
+
+from mars.cli import start_prefect_server, stop_process
+from tests.conftest import sh
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    proc = start_prefect_server(home, port, home / "server.log")
+    try:
+        yield home, f"http://127.0.0.1:{port}/api"
+    finally:
+        stop_process(proc)
+
+
+def run_flow(repo, home, api, *args):
+    return sh(
+        [sys.executable, "-m", "mars.cli", "pipeline", "--repo", str(repo), *args],
+        repo,
+        PREFECT_HOME=str(home),
+        PREFECT_API_URL=api,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
+
+
+def last_flow_run(api: str) -> dict:
+    runs = httpx.post(f"{api}/flow_runs/filter", json={"sort": "EXPECTED_START_TIME_DESC", "limit": 1}).json()
+    return runs[0]
+
+
+def task_runs(api: str, flow_run_id: str) -> dict[str, dict]:
+    body = {"flow_runs": {"id": {"any_": [flow_run_id]}}, "limit": 50}
+    runs = httpx.post(f"{api}/task_runs/filter", json=body).json()
+    return {r["name"]: r for r in runs}
+
+
+def artifacts(api: str, flow_run_id: str) -> dict[str, list]:
+    body = {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 50}
+    rows = httpx.post(f"{api}/artifacts/filter", json=body).json()
+    return {a["key"]: (json.loads(a["data"]) if isinstance(a["data"], str) else a["data"]) for a in rows}
+
+
+def test_flow_runs_stages_reports_skips_and_overrides(toy_repo, prefect_api):
+    home, api = prefect_api
+    out = run_flow(toy_repo, home, api).stdout
+    assert "a            ran" in out and "c            ran" in out
+    run = last_flow_run(api)
+    assert run["flow_id"] and run["state"]["type"] == "COMPLETED"
+    tasks = task_runs(api, run["id"])
+    assert set(tasks) == {"a", "b", "c"}
+    assert all(t["state"]["type"] == "COMPLETED" for t in tasks.values())
+    assert tasks["a"]["expected_start_time"] <= tasks["b"]["expected_start_time"]
+    metrics = artifacts(api, run["id"])
+    assert {"metric": "out/b.json.n", "value": 3} in metrics["b-metrics"]
+
+    # second run: DVC finds everything up to date; the tasks complete as Skipped
+    run_flow(toy_repo, home, api, "--stages", "b")
+    run = last_flow_run(api)
+    tasks = task_runs(api, run["id"])
+    assert set(tasks) == {"a", "b"}
+    assert {t["state"]["name"] for t in tasks.values()} == {"Skipped"}
+    assert {t["state"]["type"] for t in tasks.values()} == {"COMPLETED"}
+
+    # an override runs as a temporary DVC experiment: params.yaml stays byte-identical
+    params_before = (toy_repo / "params.yaml").read_bytes()
+    b_before = (toy_repo / "out/b.txt").read_bytes()
+    out = run_flow(toy_repo, home, api, "--stages", "b", "--set", "b.n=5").stdout
+    assert "b            ran" in out
+    assert (toy_repo / "params.yaml").read_bytes() == params_before
+    assert (toy_repo / "out/b.txt").read_bytes() == b_before
+    run = last_flow_run(api)
+    assert run["state"]["type"] == "COMPLETED"
+    assert run["parameters"]["overrides"] == {"b.n": 5}
+    metrics = artifacts(api, run["id"])
+    assert {"metric": "out/b.json.n", "value": 5} in metrics["b-metrics"]
+    status = sh(["git", "status", "--porcelain"], toy_repo).stdout
+    assert "params.yaml" not in status

@@ -88,11 +88,16 @@ def params_check(params_path: str, repo: str) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def ui(port: int, repo: str) -> int:
     home = Path(repo).resolve() / ".prefect"
     home.mkdir(exist_ok=True)
     print(f"starting the Prefect server (PREFECT_HOME={home}) ...", flush=True)
     server = start_prefect_server(home, port, home / "server.log")
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`/`timeout` stop the server too
     api = f"http://127.0.0.1:{port}/api"
     print(f"Prefect UI: http://127.0.0.1:{port}  (API {api}); Ctrl-C stops both", flush=True)
     try:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -58,6 +60,42 @@ def atomic_open(path: str | Path, mode: str = "w", **kwargs) -> Iterator[IO]:
     """``open()`` for writing that lands atomically (see :func:`atomic_path`)."""
     with atomic_path(path) as tmp, open(tmp, mode, **kwargs) as fh:
         yield fh
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path) -> Iterator[Path]:
+    """Yield a fresh directory beside ``target``; on success it replaces ``target`` whole.
+
+    The staging directory lives in ``target``'s parent (same filesystem, so renames are
+    atomic). An existing ``target`` is renamed to a backup, the new directory renamed into
+    place, then the backup deleted; if the second rename fails the backup is put back. On any
+    exception inside the block the staging directory is removed and ``target`` is untouched.
+    """
+    target = Path(target)
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{target}: exists and is not a directory; remove it or choose another path")
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = parent / f".{target.name}.tmp-{token}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        backup: Path | None = None
+        if target.exists():
+            backup = parent / f".{target.name}.old-{token}"
+            os.replace(target, backup)
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            if backup is not None:
+                os.replace(backup, target)
+            raise
+        if backup is not None:
+            shutil.rmtree(backup, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

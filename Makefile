@@ -6,6 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 HASH := $(shell cat pyproject.toml requirements.lock | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(HASH)
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_HOME := $(CURDIR)/.prefect

@@ -83,10 +83,8 @@ def _jsonable(value: Any) -> Any:
 
 def _gx_context():
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+    logging.getLogger("great_expectations").setLevel(logging.ERROR)  # before import: it logs while loading
     import great_expectations as gx  # lazy: seconds to import
-
-    for name in ("great_expectations", "great_expectations.core"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     ctx = gx.get_context(mode="ephemeral")
     try:
         ctx.variables.progress_bars = {"globally": False, "metric_calculations": False}

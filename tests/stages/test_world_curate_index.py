@@ -1,0 +1,207 @@
+"""The world, curate and index stages on the smoke profile: determinism, traps, probes, DVC."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from PIL import Image, ImageOps
+
+from mars.params import load_params
+from mars.world.planted import PLANTED_CASES
+from stages import curate, index, world
+from tests.conftest import REPO, dvc, sh
+
+
+def smoke_params(tmp: Path, section: str, cls, **override):
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    doc["base"]["profile"] = "smoke"
+    doc[section].update(override)
+    path = tmp / f"params-{section}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return load_params(section, cls, path)
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.endswith(".quality.json")
+    }
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("stages")
+    wp = smoke_params(tmp, "world", world.Params, workers=2)
+    world.run(wp, {}, {"out": tmp / "world", "metrics": tmp / "world.json"})
+    cp = smoke_params(tmp, "curate", curate.Params, workers=2)
+    curate.run(
+        cp,
+        {"raw_images": tmp / "world/raw_images.parquet", "raw_dir": tmp / "world/raw"},
+        {"out": tmp / "curate", "metrics": tmp / "curate.json"},
+    )
+    ip = smoke_params(tmp, "index", index.Params)
+    index.run(
+        ip,
+        {
+            "entities": tmp / "world/entities.parquet",
+            "corpus": tmp / "world/corpus.parquet",
+            "gallery": tmp / "world/gallery.parquet",
+            "gallery_dir": tmp / "world/gallery",
+        },
+        {"out": tmp / "index", "metrics": tmp / "index.json"},
+    )
+    return tmp, wp
+
+
+def test_same_seed_same_hashes_other_seed_differs(built, tmp_path):
+    tmp, wp = built
+    world.run(wp, {}, {"out": tmp_path / "again", "metrics": tmp_path / "m.json"})
+    first, again = tree_hashes(tmp / "world"), tree_hashes(tmp_path / "again")
+    assert len(first) > 40 and first == again
+    other = smoke_params(tmp_path, "world", world.Params, seed=1, workers=1)
+    world.run(other, {}, {"out": tmp_path / "other", "metrics": tmp_path / "o.json"})
+    assert tree_hashes(tmp_path / "other")["corpus.parquet"] != first["corpus.parquet"]
+
+
+def outcomes(tmp: Path) -> tuple[dict, dict, set]:
+    raw = pq.read_table(tmp / "world/raw_images.parquet").to_pylist()
+    rejects = {r["image_id"]: r for r in pq.read_table(tmp / "curate/rejects.parquet").to_pylist()}
+    kept = set(pq.read_table(tmp / "curate/curated.parquet").column("image_id").to_pylist())
+    return {r["planted_case"]: r for r in raw if r["planted_case"]}, rejects, kept
+
+
+@pytest.mark.parametrize("case", sorted(PLANTED_CASES))
+def test_each_planted_case_gets_its_outcome(built, case):
+    tmp, _ = built
+    planted, rejects, kept = outcomes(tmp)
+    row = planted[case]
+    expected = PLANTED_CASES[case]
+    if expected is None:
+        assert row["image_id"] in kept, rejects.get(row["image_id"])
+    elif case == "exact_dup":  # either twin may be kept; the other is the duplicate
+        twins = [r for r in pq.read_table(tmp / "world/raw_images.parquet").to_pylist() if r["sha256"] == row["sha256"]]
+        assert len(twins) == 2 and sorted(rejects.get(t["image_id"], {}).get("reason", "kept") for t in twins) == [
+            "exact_duplicate",
+            "kept",
+        ]
+    else:
+        assert rejects[row["image_id"]]["reason"] == expected, rejects[row["image_id"]]
+
+
+def test_partition_and_bomb_rejected_from_header(built):
+    tmp, _ = built
+    raw = pq.read_table(tmp / "world/raw_images.parquet").column("image_id").to_pylist()
+    planted, rejects, kept = outcomes(tmp)
+    assert not kept & set(rejects) and kept | set(rejects) == set(raw)
+    bomb = rejects[planted["bomb"]["image_id"]]
+    assert "40000x40000" in bomb["detail"] or "1,600,000,000" in bomb["detail"] or "1.6" in bomb["detail"]
+    metrics = json.loads((tmp / "curate.json").read_text())
+    assert metrics["planted_recall"] == 1.0
+    # repaired files carry an upright RGB derivative
+    curated = {r["image_id"]: r for r in pq.read_table(tmp / "curate/curated.parquet").to_pylist()}
+    rot = curated[planted["exif_rotated"]["image_id"]]
+    with Image.open(tmp / "curate" / rot["derivative"]) as im:
+        assert im.mode == "RGB" and (im.width, im.height) == (rot["width"], rot["height"]) and im.width > im.height
+
+
+def test_index_probe_metrics(built):
+    tmp, _ = built
+    m = json.loads((tmp / "index.json").read_text())
+    # measured on the smoke world: 1.0 and 1.0; on the default world see README
+    assert m["text_recall_at_5"] >= 0.95 and m["image_recall_at_5"] >= 0.9
+    assert json.loads((tmp / "index/manifest.json").read_text())["documents"] == m["documents"]
+
+
+def test_index_probe_failure_keeps_previous_indexes(built, tmp_path):
+    tmp, _ = built
+    strict = smoke_params(tmp_path, "index", index.Params, min_image_recall=1.0, k=1, embedder="color_layout")
+    out = tmp_path / "index"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous")
+    ins = {
+        "entities": tmp / "world/entities.parquet",
+        "corpus": tmp / "world/corpus.parquet",
+        "gallery": tmp / "world/gallery.parquet",
+        "gallery_dir": tmp / "world/gallery",
+    }
+    try:
+        index.run(strict, ins, {"out": out, "metrics": tmp_path / "m.json"})
+    except RuntimeError as exc:
+        assert "previous indexes kept" in str(exc)
+        assert (out / "keep.txt").read_text() == "previous"
+    else:  # recall@1 was perfect: then the new index replaced the old directory
+        assert not (out / "keep.txt").exists() and (out / "text").is_dir()
+
+
+def test_cropping_is_necessary(built):
+    """At the policy's resolution the target is not identifiable; its full-resolution crop is."""
+    from mars.tools.embedders import load_embedder
+    from mars.tools.image_index import ImageIndex
+    from mars.tools.imaging import policy_view
+
+    tmp, _ = built
+    idx = ImageIndex.load(tmp / "index/image", load_embedder("color_layout"))
+    raw = {r["image_id"]: r for r in pq.read_table(tmp / "world/raw_images.parquet").to_pylist()}
+    targets = [r for r in pq.read_table(tmp / "world/world_truth.parquet").to_pylist() if r["is_target"]]
+    crop_top1 = low_top1 = 0
+    for t in targets:
+        with Image.open(tmp / "world/raw" / raw[t["image_id"]]["path"]) as im:
+            scene = ImageOps.exif_transpose(im).convert("RGB")
+        pad = (t["x1"] - t["x0"]) // 2
+        box = (max(0, t["x0"] - pad), max(0, t["y0"] - pad), min(scene.width, t["x1"] + pad), min(scene.height, t["y1"] + pad))
+        crop = scene.crop(box)
+        view = policy_view(scene, 56 * 56, 224 * 224)  # the default policy's view of the whole scene
+        sx, sy = view.width / scene.width, view.height / scene.height
+        low = view.crop((int(box[0] * sx), int(box[1] * sy), int(np.ceil(box[2] * sx)), int(np.ceil(box[3] * sy))))
+        low = low.resize(crop.size, Image.Resampling.BICUBIC)
+        crop_top1 += idx.search(crop, 1)[0].entity_id == t["entity_id"]
+        low_top1 += idx.search(low, 1)[0].entity_id == t["entity_id"]
+    n = len(targets)
+    assert crop_top1 / n >= 0.85, (crop_top1, n)
+    assert low_top1 / n <= 0.5, (low_top1, n)
+
+
+def test_folder_source_runs_curation_on_real_photos(tmp_path):
+    from skimage import data as skdata
+
+    src = tmp_path / "photos"
+    src.mkdir()
+    for name in ("astronaut", "coffee", "chelsea", "rocket"):
+        img = Image.fromarray(getattr(skdata, name)()).convert("RGB")
+        img.resize((img.width * 4, img.height * 4), Image.Resampling.BICUBIC).save(src / f"{name}.jpg", quality=90)
+    Image.fromarray(skdata.camera()).save(src / "small_camera.png")  # 512x512: too small
+    (src / "notes.jpg").write_text("not an image")
+    wp = smoke_params(tmp_path, "world", world.Params, source="folder", folder=str(src), workers=1)
+    world.run(wp, {}, {"out": tmp_path / "world", "metrics": tmp_path / "w.json"})
+    cp = smoke_params(tmp_path, "curate", curate.Params, workers=1)
+    m = curate.run(
+        cp,
+        {"raw_images": tmp_path / "world/raw_images.parquet", "raw_dir": tmp_path / "world/raw"},
+        {"out": tmp_path / "curate", "metrics": tmp_path / "c.json"},
+    )
+    assert m["raw"] == 6 and m["curated"] == 4
+    assert m["reasons"] == {"low_resolution": 1, "not_an_image": 1}
+    assert "planted_recall" not in m
+
+
+def test_dvc_repro_smoke_then_noop(clean_copy):
+    params = (clean_copy / "params.yaml").read_text()
+    (clean_copy / "params.yaml").write_text(re.sub(r"profile: default", "profile: smoke", params, count=1))
+    out = dvc(["repro"], clean_copy).stdout
+    assert set(re.findall(r"Running stage '([^']+)'", out)) == {"world", "curate", "index"}
+    assert re.findall(r"Running stage '([^']+)'", dvc(["repro"], clean_copy).stdout) == []
+    shown = json.loads(dvc(["metrics", "show", "--json"], clean_copy).stdout)
+    metrics = next(iter(shown.values()))["data"]  # the workspace entry
+    assert metrics["data/metrics/index.json"]["data"]["text_recall_at_5"] >= 0.95
+    assert metrics["data/metrics/curate.json"]["data"]["planted_recall"] == 1.0
+    check = sh([sys.executable, "-m", "mars.cli", "params", "check"], clean_copy)
+    assert "profile smoke" in check.stdout

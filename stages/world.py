@@ -36,36 +36,19 @@ from mars.data.io import atomic_dir
 from mars.data.quality import write_artifacts
 from mars.data.suites import rows
 from mars.stage import stage_args, write_metrics
+from mars.world.generate import WorldSpec, generate_world
 
 SECTION = "world"
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Params:
-    seed: int = 0
+class Params(WorldSpec):
+    """The ``world`` section: every :class:`~mars.world.generate.WorldSpec` knob plus the source."""
+
     source: Literal["generated", "folder", "urls"] = "generated"
     folder: str = ""  # source=folder: directory of images
     urls_file: str = ""  # source=urls: text file with one URL per line
-    n_entities: int = 200
-    n_distractors: int = 60
-    docs_per_entity: int = 3
-    gallery_per_entity: int = 5
-    heldout_per_entity: int = 1
-    gallery_size: int = 256
-    n_scenes: int = 60
-    scene_long_side_min: int = 2048
-    scene_long_side_max: int = 3840
-    emblems_per_scene_min: int = 3
-    emblems_per_scene_max: int = 6
-    emblem_frac: float = 0.035
-    grid_rows: int = 2
-    grid_cols: int = 2
-    frame_thickness_frac: float = 0.02
-    decoys: int = 0
-    planted: bool = True
-    jpeg_quality: int = 90
-    colour_schemes: int = 6
     workers: int = 0  # 0: one per CPU core
     download_concurrency: int = 8
     download_timeout_s: float = 10.0
@@ -73,6 +56,7 @@ class Params:
     download_max_bytes: int = 50_000_000
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.source == "folder" and not self.folder:
             raise ValueError("source is 'folder' but 'folder' is empty: set world.folder to a directory of images")
         if self.source == "urls" and not self.urls_file:
@@ -81,13 +65,10 @@ class Params:
             raise ValueError(f"workers must be >= 0 (0 = one per core), got {self.workers}")
 
 
-def world_spec(params: Params):
-    """The generator's :class:`~mars.world.generate.WorldSpec` for these params."""
-    from mars.world.generate import WorldSpec
-
-    names = {f.name for f in dataclasses.fields(WorldSpec)}
-    values = {k: v for k, v in dataclasses.asdict(params).items() if k in names}
-    if params.source != "generated":  # the raw pool comes from the user: no scenes, no traps
+def world_spec(params: Params) -> WorldSpec:
+    """The generator's spec for these params (no scenes or traps for a user-provided pool)."""
+    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(WorldSpec)}
+    if params.source != "generated":
         values.update(n_scenes=0, planted=False)
     return WorldSpec(**values)
 
@@ -104,8 +85,6 @@ def read_url_list(path: str | Path) -> list[str]:
 
 
 def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
-    from mars.world.generate import generate_world
-
     workers = params.workers or os.cpu_count() or 1
     t0 = time.perf_counter()
     metrics: dict = {"source": params.source}

@@ -66,22 +66,15 @@ import numpy.typing as npt
 from PIL import Image, ImageFile, UnidentifiedImageError
 
 from mars.curate.hashing import phash, sha256_file
+from mars.data.suites import REJECT_REASONS
 
 ANALYSIS_LONG_SIDE = 256
 """Long side, in pixels, of the grayscale copy used for the phash and the quality score."""
 
 ORIENTATION_TAG = 0x0112
 
-REASONS: tuple[str, ...] = (
-    "missing",
-    "not_an_image",
-    "decompression_bomb",
-    "low_resolution",
-    "bad_aspect",
-    "corrupt",
-    "truncated",
-    "low_quality",
-)
+# Reasons a probe can give (the dedup pass adds exact_duplicate / near_duplicate).
+REASONS: tuple[str, ...] = tuple(r for r in REJECT_REASONS if not r.endswith("_duplicate"))
 
 # Formats recognised by sniff_format and the extension each is stored under.
 _MAGIC: tuple[tuple[str, str], ...] = (

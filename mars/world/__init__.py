@@ -6,7 +6,7 @@ with a grid-aligned red-frame cue), :mod:`~mars.world.planted` (curation traps),
 :mod:`~mars.world.generate` (:class:`WorldSpec`, :func:`generate_world`) and
 :mod:`~mars.world.folder` (:func:`ingest_folder`, a user's own image folder as the raw pool).
 
-Run ``python -m mars.world.generate OUT_DIR --smoke`` to generate a tiny world.
+Run the ``world`` stage (``python -m stages.world --out DIR --metrics FILE``) to generate one.
 """
 
 from __future__ import annotations

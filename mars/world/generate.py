@@ -18,21 +18,15 @@ Python::
     from mars.world.generate import WorldSpec, generate_world
     tables = generate_world(WorldSpec.smoke(), raw_dir, gallery_dir)
 
-Command line (writes the five tables as parquet next to ``raw/`` and ``gallery/``)::
-
-    python -m mars.world.generate OUT_DIR [--smoke] [--seed N] [--workers N]
+From the command line, run the ``world`` stage: ``python -m stages.world --out DIR --metrics FILE``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
-import shutil
-import sys
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -498,31 +492,3 @@ def generate_world(spec: WorldSpec, raw_dir: str | Path, gallery_dir: str | Path
         raw_images=_table(raw_rows, RAW_IMAGES),
         world_truth=_table(truth_rows, WORLD_TRUTH),
     )
-
-
-def main(argv: Iterable[str] | None = None) -> int:
-    """CLI: generate a world into OUT_DIR (raw/, gallery/ and five parquet tables)."""
-    import pyarrow.parquet as pq
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out_dir", type=Path)
-    ap.add_argument("--smoke", action="store_true", help="tiny world (a few seconds)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(list(argv) if argv is not None else None)
-    spec = WorldSpec.smoke(seed=args.seed) if args.smoke else WorldSpec(seed=args.seed)
-    out: Path = args.out_dir
-    for sub in ("raw", "gallery"):
-        shutil.rmtree(out / sub, ignore_errors=True)
-    t0 = time.perf_counter()
-    tables = generate_world(spec, out / "raw", out / "gallery", progress=not args.no_progress, workers=args.workers)
-    for name, table in tables.as_dict().items():
-        pq.write_table(table, out / f"{name}.parquet")
-        print(f"{name:12s} {table.num_rows:6d} rows")
-    print(f"generated in {time.perf_counter() - t0:.1f} s -> {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

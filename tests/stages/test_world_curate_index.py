@@ -205,3 +205,39 @@ def test_dvc_repro_smoke_then_noop(clean_copy):
     assert metrics["data/metrics/curate.json"]["data"]["planted_recall"] == 1.0
     check = sh([sys.executable, "-m", "mars.cli", "params", "check"], clean_copy)
     assert "profile smoke" in check.stdout
+
+
+def test_urls_source_downloads_into_the_raw_pool(tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    site = tmp_path / "site"
+    site.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        arr = rng.integers(0, 255, size=(1100, 1500, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(site / f"photo{i}.jpg", quality=85)
+    (site / "page.html").write_text("<html>not an image</html>")
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        urls = tmp_path / "urls.txt"
+        urls.write_text(f"# two photos, a page and a missing file\n{base}/photo0.jpg\n{base}/photo1.jpg\n"
+                        f"{base}/page.html\n{base}/missing.jpg\nftp://example.invalid/x.jpg\n")
+        wp = smoke_params(tmp_path, "world", world.Params, source="urls", urls_file=str(urls), workers=1,
+                          download_timeout_s=5.0, download_retries=0)
+        m = world.run(wp, {}, {"out": tmp_path / "world", "metrics": tmp_path / "w.json"})
+    finally:
+        server.shutdown()
+    raw = pq.read_table(tmp_path / "world/raw_images.parquet").to_pylist()
+    assert m["raw_images"] == 2 and m["download_failures"] == 3
+    assert {r["source"] for r in raw} == {"urls"}
+    for r in raw:
+        assert hashlib.sha256((tmp_path / "world/raw" / r["path"]).read_bytes()).hexdigest() == r["sha256"]

@@ -1,8 +1,9 @@
 """The tool service: a FastAPI server over a :class:`~mars.tools.toolbox.ToolBox` and its httpx client.
 
 Many rollout workers can share one search service: ``mars serve-tools`` (127.0.0.1 by
-default) serves ``POST /v1/tools/{name}`` with ``{"arguments": {...}, "images": [<base64
-PNG>, ...]}`` (the dialogue's images as shown to the policy) and answers ``{"text",
+default) serves ``POST /v1/tools/{name}`` with ``{"arguments": {...}, "images": {<index>: <base64
+PNG>}, "n_images": n}`` (of the dialogue's images as shown to the policy, only the one the
+call references travels; a list of all of them is accepted too) and answers ``{"text",
 "error", "images", "latency_s"}``; ``GET /health`` says it is up. A malformed call is
 answered with an error observation, never an HTTP error, as the in-process ToolBox does.
 
@@ -66,7 +67,9 @@ class CallRequest(BaseModel):
     """Body of ``POST /v1/tools/{name}``."""
 
     arguments: Any = None
-    images: list[str] = []
+    # every dialogue image as a list, or only the referenced ones as {index: image} with n_images
+    images: list[str] | dict[int, str] = []
+    n_images: int | None = None
 
 
 def create_app(toolbox, max_images: int = 64, max_image_bytes: int = 8_000_000):
@@ -81,15 +84,17 @@ def create_app(toolbox, max_images: int = 64, max_image_bytes: int = 8_000_000):
 
     @app.post("/v1/tools/{name}")
     def call(name: str, req: CallRequest) -> dict[str, Any]:
-        if len(req.images) > max_images:
-            return observation_json(Observation(text=f"too many images ({len(req.images)} > {max_images})",
-                                                error="too_many_images"))
-        images = []
-        for i, data in enumerate(req.images):
+        sent = dict(enumerate(req.images)) if isinstance(req.images, list) else dict(req.images)
+        n = req.n_images if req.n_images is not None else len(sent)
+        if n > max_images or len(sent) > n or any(not 0 <= i < n for i in sent):
+            msg = f"bad image list: {len(sent)} image(s) sent for n_images={n} (at most {max_images})"
+            return observation_json(Observation(text=msg, error=msg))
+        images: list = [None] * n  # the tools read only the image their arguments reference
+        for i, data in sent.items():
             try:
                 if len(data) > max_image_bytes * 4 // 3 + 4:
                     raise ValueError(f"larger than {max_image_bytes} bytes")
-                images.append(decode_image(data))
+                images[i] = decode_image(data)
             except Exception as exc:  # a bad upload is the caller's error, answered as data
                 msg = f"image {i} is not a base64 PNG/JPEG: {exc}"
                 return observation_json(Observation(text=msg, error=msg))
@@ -134,7 +139,14 @@ class RemoteToolBox:
 
     def call(self, name: str, arguments: Any, images: list[Image.Image]) -> Observation:
         self._check_budget()
-        body = {"arguments": arguments, "images": [encode_image(im) for im in images]}
+        idx = arguments.get("img_idx") if isinstance(arguments, dict) else None
+        if type(idx) is int and 0 <= idx < len(images):  # send only the image the call reads
+            sent: Any = {idx: encode_image(images[idx])}
+        elif isinstance(arguments, dict) and "img_idx" not in arguments:
+            sent = {}
+        else:  # anything unusual: send everything and let the ToolBox judge the call
+            sent = [encode_image(im) for im in images]
+        body = {"arguments": arguments, "images": sent, "n_images": len(images)}
         start = time.perf_counter()
         last = ""
         with self._slots:

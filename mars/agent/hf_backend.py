@@ -20,22 +20,13 @@ Run the tests: ``.venv/bin/python -m pytest tests/model -q``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from mars.agent.engine import Generation  # the one result type every backend returns
 from mars.model.chat import render_batch
 
 __all__ = ["Generation", "HFBackend"]
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" or "length"
 
 
 class _StopStrings(StoppingCriteria):

@@ -113,6 +113,47 @@ REJECTS = pa.schema(
     ]
 )
 
+# --- synthesize / agent rollouts ------------------------------------------------------
+
+QUESTIONS = pa.schema(
+    [
+        _f("question_id", pa.string()),
+        _f("type", pa.string()),  # "perception", "search" or "multi-hop"
+        _f("scene_id", pa.string(), nullable=True),  # set for questions about a scene
+        _f("image_path", pa.string()),  # relative to the question image root (mars.world.questions)
+        _f("question", pa.string()),  # the full prompt text (options included for multiple choice)
+        _f("answer", pa.string()),
+        _f("aliases", pa.list_(pa.string())),
+        _f("choices", pa.string(), nullable=True),  # JSON {"A": ..., "B": ...} for multiple choice
+        _f("entity_id", pa.string()),
+        _f("difficulty", pa.int32()),
+        _f("split", pa.string()),  # "sft", "rl" or "test"
+    ]
+)
+
+TRAJECTORIES = pa.schema(
+    [
+        _f("question_id", pa.string()),
+        _f("episode_id", pa.string()),
+        _f("messages_json", pa.string()),  # the dialogue; images as {"type": "image", "ref": i}
+        _f("images", pa.list_(pa.binary())),  # PNG bytes of every image as shown, in dialogue order
+        _f("tool_calls_json", pa.string()),  # [{turn, name, arguments, error, latency_s}]
+        _f("n_turns", pa.int32()),
+        _f("n_tool_calls", pa.int32()),
+        _f("n_tool_errors", pa.int32()),
+        _f("n_format_errors", pa.int32()),
+        _f("answer", pa.string(), nullable=True),
+        _f("finish_reason", pa.string()),  # answer / max_turns / token_budget / backend_error
+        _f("correct", pa.bool_()),
+        _f("reward", pa.float64()),
+        _f("reward_answer", pa.float64()),
+        _f("reward_format", pa.float64()),
+        _f("judge", pa.string()),  # e.g. "rule:exact", "rule:none"
+        _f("token_ids", pa.list_(pa.int64()), nullable=True),  # generated tokens, all turns, when known
+        _f("logprobs", pa.list_(pa.float32()), nullable=True),
+    ]
+)
+
 ARTIFACTS: dict[str, pa.Schema] = {
     "entities": ENTITIES,
     "corpus": CORPUS,
@@ -121,6 +162,8 @@ ARTIFACTS: dict[str, pa.Schema] = {
     "world_truth": WORLD_TRUTH,
     "curated": CURATED,
     "rejects": REJECTS,
+    "questions": QUESTIONS,
+    "trajectories": TRAJECTORIES,
 }
 
 

@@ -147,3 +147,42 @@ def test_server_killed_mid_run_counts_failures_then_stops_the_run(world, tmp_pat
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_rollout_finishes_with_counted_tool_failures_when_the_server_dies(world):
+    """The engine keeps going through a dead tool service; failures land in the trajectories."""
+    from mars.agent.backends import ScriptedBackend
+    from mars.agent.engine import EngineConfig, run_episodes
+    from mars.agent.protocol import format_answer, format_tool_call
+
+    root, tables = world
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mars.cli", "serve-tools", "--index-dir", str(root / "index"),
+         "--gallery-dir", str(root / "gallery"), "--port", str(port)],
+        env=sub_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    names = tables.entities.column("name").to_pylist()
+    try:
+        wait_up(url)
+        remote = RemoteToolBox(url, retries=0, timeout_s=2, max_failure_rate=1.0)
+
+        def policy(dialogue: list[dict]) -> str:
+            turns = sum(m["role"] == "assistant" for m in dialogue)
+            if turns == 1 and proc.poll() is None:  # the second step of the run: kill the service
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+            if turns < 2:
+                return format_tool_call("text_search", {"query": names[turns]}, think="look it up")
+            return format_answer("1900", think="done")
+
+        questions = [{"question_id": f"q{i}", "question": "When was it founded?", "answer": "1900",
+                      "image": scene()} for i in range(4)]
+        trajs = run_episodes(questions, ScriptedBackend(policy), remote, EngineConfig(max_turns=4))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [t.finish_reason for t in trajs] == ["answer"] * 4
+    assert all(t.n_tool_calls == 2 and t.n_tool_errors == 1 for t in trajs)  # first call served, second failed
+    assert remote.failures == 4 and remote.calls == 8

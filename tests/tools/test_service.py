@@ -41,6 +41,17 @@ def wait_up(url: str, timeout: float = 60.0) -> None:
     raise AssertionError(f"{url} did not come up")
 
 
+def start_tool_server(root: Path) -> tuple[subprocess.Popen, str]:
+    """`mars serve-tools` in its own process, so a test can kill it."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mars.cli", "serve-tools", "--index-dir", str(root / "index"),
+         "--gallery-dir", str(root / "gallery"), "--port", str(port)],
+        env=sub_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("svc")
@@ -120,13 +131,7 @@ def test_survives_a_client_that_disconnects_mid_request(served):
 
 def test_server_killed_mid_run_counts_failures_then_stops_the_run(world, tmp_path):
     root, tables = world
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mars.cli", "serve-tools", "--index-dir", str(root / "index"),
-         "--gallery-dir", str(root / "gallery"), "--port", str(port)],
-        env=sub_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_tool_server(root)
     try:
         wait_up(url)
         tolerant = RemoteToolBox(url, retries=1, backoff_s=0.01, timeout_s=2, max_failure_rate=1.0)
@@ -156,13 +161,7 @@ def test_rollout_finishes_with_counted_tool_failures_when_the_server_dies(world)
     from mars.agent.protocol import format_answer, format_tool_call
 
     root, tables = world
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mars.cli", "serve-tools", "--index-dir", str(root / "index"),
-         "--gallery-dir", str(root / "gallery"), "--port", str(port)],
-        env=sub_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_tool_server(root)
     names = tables.entities.column("name").to_pylist()
     try:
         wait_up(url)

@@ -83,3 +83,24 @@ def test_stop_strings_respected():
         assert len(out.token_ids) <= 3 and len(out.logprobs) == len(out.token_ids)
         checked += 1
     assert checked >= 1
+
+
+def test_shared_prefix_cache_gives_the_same_output_as_left_padding():
+    """Rows sharing a long system prompt reuse its KV cache; greedy output and log-probs are unchanged."""
+    from mars.agent.protocol import system_prompt
+    from mars.tools.base import TOOL_SCHEMAS
+
+    _, proc, model = tiny_stack()
+    sp = system_prompt(TOOL_SCHEMAS)
+    dl = [[{"role": "system", "content": sp}, *d] for d in dialogues()]
+    cached = HFBackend(model, proc)  # min_prefix 32: the system prompt is cached
+    plain = HFBackend(model, proc, min_prefix=10**9)  # never: plain left padding
+    first = cached.generate(dl, max_new_tokens=8, stop=())
+    assert cached._prefix is not None and len(cached._prefix[0]) > 100
+    again = cached.generate(dl[1:], max_new_tokens=8, stop=())  # a smaller batch reuses the same cache
+    ref = plain.generate(dl, max_new_tokens=8, stop=())
+    assert plain._prefix is None
+    assert [g.token_ids for g in first] == [g.token_ids for g in ref]
+    assert [g.token_ids for g in again] == [g.token_ids for g in ref[1:]]
+    for a, b in zip(first, ref):
+        assert all(abs(x - y) < 1e-3 for x, y in zip(a.logprobs, b.logprobs))

@@ -110,6 +110,8 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
             for row in failures.to_pylist():
                 log.warning("download failed: %s: %s (%s)", row["url"], row["reason"], row["detail"])
         artifacts = dict(tables.as_dict(), raw_images=raw_images)
+        if params.source == "urls":
+            artifacts["download_failures"] = failures
         write_artifacts(
             {out / f"{name}.parquet": (table, name) for name, table in artifacts.items()},
             extra={"world_truth": [rows(1)]} if params.source == "generated" else None,

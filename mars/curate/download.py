@@ -3,7 +3,8 @@
 :func:`download_urls` fetches each URL with a bounded thread pool sharing one
 ``httpx.Client`` (thread-safe) and returns ``(raw_images, failures)``: rows of the
 ``RAW_IMAGES`` schema (``source="urls"``) for stored images, sorted by ``image_id``, and
-rows of the local :data:`FAILURES` schema (``url``, ``reason``, ``detail``) in input order.
+rows of the ``download_failures`` artifact (:data:`mars.data.schemas.DOWNLOAD_FAILURES`:
+``url``, ``reason``, ``detail``) in input order.
 Every input URL is in exactly one of the two tables, except that a URL whose content is
 byte-identical to an earlier URL's lands in ``failures`` with reason ``duplicate_content``
 (the content is stored once, under the first URL in input order, and RAW_IMAGES has no URL
@@ -55,16 +56,8 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from mars.curate.probe import extension_for, sniff_format
+from mars.data.schemas import DOWNLOAD_FAILURES as FAILURES
 from mars.data.schemas import RAW_IMAGES
-
-FAILURES = pa.schema(
-    [
-        pa.field("url", pa.string(), nullable=False),
-        pa.field("reason", pa.string(), nullable=False),
-        pa.field("detail", pa.string(), nullable=False),
-    ]
-)
-"""Schema of the failures table returned by :func:`download_urls`."""
 
 ALLOWED_SCHEMES = frozenset({"http", "https"})
 MAX_REDIRECTS = 5

@@ -88,6 +88,14 @@ WORLD_TRUTH = pa.schema(
     ]
 )
 
+DOWNLOAD_FAILURES = pa.schema(  # source=urls: every URL that did not become a raw image, and why
+    [
+        _f("url", pa.string()),
+        _f("reason", pa.string()),
+        _f("detail", pa.string()),
+    ]
+)
+
 # --- curate stage -------------------------------------------------------------------
 
 CURATED = pa.schema(
@@ -160,6 +168,7 @@ ARTIFACTS: dict[str, pa.Schema] = {
     "gallery": GALLERY,
     "raw_images": RAW_IMAGES,
     "world_truth": WORLD_TRUTH,
+    "download_failures": DOWNLOAD_FAILURES,
     "curated": CURATED,
     "rejects": REJECTS,
     "questions": QUESTIONS,

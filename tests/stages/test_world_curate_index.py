@@ -238,6 +238,8 @@ def test_urls_source_downloads_into_the_raw_pool(tmp_path):
         server.shutdown()
     raw = pq.read_table(tmp_path / "world/raw_images.parquet").to_pylist()
     assert m["raw_images"] == 2 and m["download_failures"] == 3
+    failures = pq.read_table(tmp_path / "world/download_failures.parquet").to_pylist()
+    assert sorted(f["url"].rsplit("/", 1)[-1] for f in failures) == ["missing.jpg", "page.html", "x.jpg"]
     assert {r["source"] for r in raw} == {"urls"}
     for r in raw:
         assert hashlib.sha256((tmp_path / "world/raw" / r["path"]).read_bytes()).hexdigest() == r["sha256"]

@@ -19,6 +19,7 @@ data/world/raw --out data/curate --metrics data/metrics/curate.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -81,15 +82,8 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
     from mars.curate.pool import CurateConfig, curate_pool
 
     raw = read_table(inputs["raw_images"], RAW_IMAGES)
-    cfg = CurateConfig(
-        min_short_side=params.min_short_side,
-        min_pixels=params.min_pixels,
-        max_aspect=params.max_aspect,
-        max_pixels=params.max_pixels,
-        phash_hamming=params.phash_hamming,
-        quality_threshold=params.quality_threshold,
-        workers=params.workers or os.cpu_count() or 1,
-    )
+    shared = {f.name: getattr(params, f.name) for f in dataclasses.fields(CurateConfig) if f.name != "workers"}
+    cfg = CurateConfig(**shared, workers=params.workers or os.cpu_count() or 1)
     t0 = time.perf_counter()
     with atomic_dir(outputs["out"]) as out:
         curated, rejects = curate_pool(raw, inputs["raw_dir"], out / "derivatives", cfg, relative_to=out)

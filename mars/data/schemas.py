@@ -162,6 +162,56 @@ TRAJECTORIES = pa.schema(
     ]
 )
 
+# --- evaluate ------------------------------------------------------------------------------
+
+BENCH_QUESTIONS = pa.schema(
+    [
+        _f("id", pa.string()),  # unique within a benchmark
+        _f("benchmark", pa.string()),
+        _f("question", pa.string()),  # the prompt text (options listed for multiple choice)
+        _f("images", pa.list_(pa.binary())),  # encoded image files (PNG/JPEG bytes), at least one
+        _f("answers", pa.list_(pa.string())),  # gold answer and aliases, non-empty
+        _f("choices", pa.string(), nullable=True),  # JSON {"A": ..., "B": ...} for multiple choice
+        _f("category", pa.string(), nullable=True),
+        _f("difficulty", pa.string(), nullable=True),
+        _f("type", pa.string(), nullable=True),  # perception / search / multi-hop for the synthesized split
+        _f("search_results", pa.string(), nullable=True),  # JSON pre-computed image search: {"titles", "thumbnails"}
+    ]
+)
+
+RESULTS = pa.schema(
+    [
+        _f("sample_id", pa.string()),  # "<benchmark>/<id>/<model>/<workflow>/<k>", unique
+        _f("benchmark", pa.string()),
+        _f("question_id", pa.string()),
+        _f("model", pa.string()),  # e.g. "sft", "base", "oracle", "no-tool", or an endpoint's model name
+        _f("workflow", pa.string()),  # "direct" (no tools) or "agentic"
+        _f("sample_idx", pa.int32()),  # k of Avg@k
+        _f("seed", pa.int64()),
+        _f("temperature", pa.float64()),
+        _f("question", pa.string()),
+        _f("gold", pa.list_(pa.string())),
+        _f("prediction", pa.string(), nullable=True),
+        _f("correct", pa.bool_()),
+        _f("score", pa.float64()),
+        _f("judge", pa.string()),  # the judge's identity and method, e.g. "rule:exact", "llm:<model>:yes"
+        _f("category", pa.string(), nullable=True),
+        _f("difficulty", pa.string(), nullable=True),
+        _f("type", pa.string(), nullable=True),
+        _f("finish_reason", pa.string()),
+        _f("turns", pa.int32()),
+        _f("n_zoom", pa.int32()),
+        _f("n_text_search", pa.int32()),
+        _f("n_image_search", pa.int32()),
+        _f("tool_errors", pa.int32()),
+        _f("format_errors", pa.int32()),
+        _f("tokens", pa.int32()),  # generated tokens
+        _f("latency_s", pa.float64()),
+        _f("messages_json", pa.string()),  # the dialogue, images as {"type": "image", "ref": i}
+        _f("images", pa.list_(pa.binary())),  # PNG bytes of every image in the dialogue, in order
+    ]
+)
+
 ARTIFACTS: dict[str, pa.Schema] = {
     "entities": ENTITIES,
     "corpus": CORPUS,
@@ -173,6 +223,8 @@ ARTIFACTS: dict[str, pa.Schema] = {
     "rejects": REJECTS,
     "questions": QUESTIONS,
     "trajectories": TRAJECTORIES,
+    "bench_questions": BENCH_QUESTIONS,
+    "results": RESULTS,
 }
 
 

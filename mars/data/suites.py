@@ -93,4 +93,28 @@ SUITES: dict[str, list[Expect]] = {
         Expect("ExpectColumnValueLengthsToEqual", {"column": "phash", "value": 16}),
     ],
     "rejects": [unique("image_id"), in_set("reason", REJECT_REASONS), non_empty("detail")],
+    "questions": [
+        rows(),
+        unique("question_id"),
+        non_empty("question"),
+        non_empty("answer"),
+        non_empty("image_path"),
+        in_set("type", ["perception", "search", "multi-hop"]),
+        in_set("split", ["sft", "rl", "test"]),
+        between("difficulty", 0, None),
+    ],
+    "trajectories": [
+        rows(),
+        unique("episode_id"),
+        in_set("finish_reason", ["answer", "max_turns", "token_budget", "backend_error"]),
+        between("n_turns", 1, None),
+        between("reward", 0.0, None),
+    ],
+    "results": [
+        rows(),
+        unique("sample_id"),
+        in_set("workflow", ["direct", "agentic"]),
+        between("score", 0.0, 1.0),
+        between("turns", 0, None),
+    ],
 }

@@ -1,0 +1,1 @@
+"""Evaluate stage: benchmark loading and scoring."""

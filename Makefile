@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c requirements.lock -e '.[dev]'
+# DeepSpeed builds from an sdist whose setup imports torch: no build isolation (it would fetch a CUDA torch),
+# no prebuilt ops (DS_BUILD_OPS=0, exported above); the version and its dependencies are pinned in the lock.
+	$(BIN)/python -m pip install -q --no-build-isolation -c requirements.lock deepspeed
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

@@ -28,12 +28,17 @@ def stage_args(
     argv: list[str] | None,
     inputs: tuple[str, ...] = (),
     outputs: tuple[str, ...] = (),
+    optional_inputs: tuple[str, ...] = (),
 ) -> tuple[T, dict[str, Path], dict[str, Path]]:
-    """Parse ``--params`` and ``--<io>`` path arguments, then load the stage's params."""
+    """Parse ``--params`` and ``--<io>`` path arguments, then load the stage's params.
+
+    ``optional_inputs`` appear in the inputs dict only when given on the command line."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{section}", description=f"Run the '{section}' stage.")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     for name in inputs + outputs:
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, required=True, type=Path)
+    for name in optional_inputs:
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, type=Path)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     ns = parser.parse_args(argv)
     logging.basicConfig(
@@ -45,7 +50,20 @@ def stage_args(
         params = load_params(section, params_cls, ns.params)
     except ParamsError as exc:  # fail before any work, with the message alone
         raise SystemExit(f"error: {exc}") from None
-    return params, {n: getattr(ns, n) for n in inputs}, {n: getattr(ns, n) for n in outputs}
+    ins = {n: getattr(ns, n) for n in inputs}
+    ins.update({n: getattr(ns, n) for n in optional_inputs if getattr(ns, n) is not None})
+    return params, ins, {n: getattr(ns, n) for n in outputs}
+
+
+def load_section(section: str, cls: type[T], argv: list[str] | None) -> T:
+    """Load another params section (e.g. the shared ``agent`` one) from the same ``--params`` file as the stage."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--params", default="params.yaml")
+    ns, _ = parser.parse_known_args(argv)
+    try:
+        return load_params(section, cls, ns.params)
+    except ParamsError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def write_metrics(path: str | Path, metrics: dict[str, Any]) -> None:

@@ -54,6 +54,9 @@ Deviations
     - ``EngineConfig.lenient = False`` (default) treats any malformed turn as failed, like the reference's
       anchored format regex; ``True`` executes a usable action from an imperfect turn (still a format error).
     - The seed passed to ``backend.generate`` is ``seed + step``.
+    - ``EngineConfig.prompt = "compact"`` swaps the reference's ~700-token system prompt for a short one
+      (:func:`~mars.agent.protocol.compact_system_prompt`); the embedded default's tiny model uses it.
+      ``"direct"`` (evaluation's direct-answer workflow) lists no tools.
 
 How to run (Python)::
         cfg = EngineConfig(max_turns=6)
@@ -79,7 +82,9 @@ import pyarrow as pa
 from PIL import Image
 
 from mars.agent.protocol import (
+    DIRECT_SYSTEM_PROMPT,
     ParsedTurn,
+    compact_system_prompt,
     format_error_observation,
     format_tool_response,
     parse_turn,
@@ -138,6 +143,7 @@ class EngineConfig:
     max_pixels: int = 224 * 224
     lenient: bool = False
     tool_image0: str = "original"  # "original" | "shown"
+    prompt: str = "full"  # "full" (the reference's) | "compact" (short, tiny models) | "direct" (no tools)
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_new_tokens_per_turn", "max_total_tokens", "tool_workers", "min_pixels",
@@ -149,6 +155,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
+        if self.prompt not in ("full", "compact", "direct"):
+            raise ValueError(f"EngineConfig.prompt must be 'full', 'compact' or 'direct', got {self.prompt!r}")
         if self.tool_image0 not in ("original", "shown"):
             raise ValueError(f"EngineConfig.tool_image0 must be 'original' or 'shown', got {self.tool_image0!r}")
 
@@ -378,7 +386,8 @@ def run_episodes(
     (JSON string or dict) and either ``image`` (a PIL image) or ``image_path`` (relative to ``image_root``).
     ``toolbox`` is a :class:`~mars.tools.toolbox.ToolBox` (anything with ``call(name, arguments, images)``).
     """
-    sys_prompt = system_prompt(TOOL_SCHEMAS)
+    sys_prompt = {"full": system_prompt, "compact": compact_system_prompt,
+                  "direct": lambda _: DIRECT_SYSTEM_PROMPT}[cfg.prompt](TOOL_SCHEMAS)
     absolute = getattr(getattr(toolbox, "cfg", None), "coords", "relative") == "absolute"
     root = Path(image_root) if image_root is not None else None
     episodes = [_start(i, dict(q), sys_prompt, cfg, root, absolute) for i, q in enumerate(questions)]

@@ -45,7 +45,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -74,16 +74,22 @@ _YEAR_RE = re.compile(r"\b(\d{4})\b")
 
 @dataclass
 class World:
-    """What the oracle needs from a world: entities by id and each scene's target truth row."""
+    """What the oracle needs from a world: entities by id, each scene's target truth row and its other emblems."""
 
     entities: dict[str, dict]
     targets: dict[str, dict]
+    others: dict[str, list[dict]] = field(default_factory=dict)
 
     @classmethod
     def from_tables(cls, tables: Any) -> World:
         ents = {r["entity_id"]: r for r in tables.entities.to_pylist()}
-        targets = {r["scene_id"]: r for r in tables.world_truth.to_pylist() if r["is_target"]}
-        return cls(ents, targets)
+        truth = tables.world_truth.to_pylist()
+        targets = {r["scene_id"]: r for r in truth if r["is_target"]}
+        others: dict[str, list[dict]] = {}
+        for r in truth:
+            if not r["is_target"]:
+                others.setdefault(r["scene_id"], []).append(r)
+        return cls(ents, targets, others)
 
     @classmethod
     def from_dir(cls, world_dir: str | Path) -> World:

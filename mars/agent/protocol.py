@@ -460,3 +460,34 @@ def system_prompt(tool_schemas: list[dict]) -> str:
         "<tool_response>...</tool_response>, followed by any images the tool returned. Images are numbered from 0 "
         "in the order they appear in the dialogue (img_idx); bounding boxes use a 0..1000 relative grid."
     )
+
+
+def compact_system_prompt(tool_schemas: list[dict]) -> str:
+    """A short system prompt for small models (the embedded default): tool signatures and the turn format only.
+
+    The full prompt (:func:`system_prompt`, the reference's wording with the OpenAI function schemas) is about
+    700 tokens of the default tokenizer, which a 1M-parameter model pays on every training sample; this one
+    carries the same contract in a few dozen.
+
+    >>> schema = {"type": "function", "function": {"name": "text_search", "description": "Search text.",
+    ...           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
+    >>> compact_system_prompt([schema])
+    'Tools: text_search(query). Each turn: <think>...</think> then <tool_call>{"name": ..., "arguments": {...}}</tool_call> or <answer>...</answer>.'
+    """
+    sigs = []
+    for s in tool_schemas:
+        fn = s.get("function", s) if isinstance(s, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tool schema without a function name: {s!r}")
+        args = ", ".join((fn.get("parameters") or {}).get("properties", {}))
+        sigs.append(f"{fn['name']}({args})")
+    return (
+        f"Tools: {'; '.join(sigs)}. Each turn: <think>...</think> then "
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call> or <answer>...</answer>.'
+    )
+
+
+DIRECT_SYSTEM_PROMPT = (
+    "You are a helpful assistant that answers questions about images. Answer directly, without tools: first "
+    "reason inside <think>...</think>, then give the final answer inside <answer>...</answer>."
+)

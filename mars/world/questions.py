@@ -18,7 +18,8 @@ What it does
     letter) and an open variant (``choices`` null). The ``question`` column is the complete prompt text.
 
     ``difficulty``: the scene's world-truth difficulty (0 for search images) plus 1 for open variants.
-    ``split`` is ``"test"`` for every row (the synthesize stage assigns sft/rl/test splits by scene).
+    ``split`` is ``"test"`` for every row unless an ``assign`` function gives each candidate its split (the
+    synthesize stage assigns sft/rl/test by scene, see :mod:`mars.synth.splits`).
 
 Images and paths
     ``image_path`` is relative to ``root`` (default: the parent of ``raw_dir``; with the world stage's layout
@@ -47,7 +48,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -126,8 +127,15 @@ def question_rows(
     seed: int = 0,
     n_per_type: int = 30,
     root: str | Path | None = None,
+    assign: Callable[[str, str | None, str], str | None] | None = None,
+    per_split: dict[str, int] | None = None,
 ) -> list[dict]:
-    """The rows of :func:`make_questions` as dicts (search images are written as a side effect)."""
+    """The rows of :func:`make_questions` as dicts (search images are written as a side effect).
+
+    With ``assign(type, scene_id, entity_id) -> split or None`` (None drops the candidate) and ``per_split``
+    (the most questions of each type per split), candidates are taken in the same shuffled order until every
+    split of a type is full; ``n_per_type`` is then ignored and ``split`` holds the assigned split.
+    """
     raw_dir = Path(raw_dir)
     root = Path(root) if root is not None else raw_dir.parent
     search_dir = Path(search_dir) if search_dir is not None else root / "questions"
@@ -165,9 +173,20 @@ def question_rows(
     for ti, qtype in enumerate(QUESTION_TYPES):
         pool = cands[qtype]
         order = np.random.default_rng([seed, STREAM_SHUFFLE, ti]).permutation(len(pool))
-        chosen = [pool[int(i)] for i in order[:n_per_type]]
+        if assign is None:
+            chosen = [(pool[int(i)], "test") for i in order[:n_per_type]]
+        else:
+            taken: dict[str, int] = {}
+            chosen = []
+            for i in order:
+                c = pool[int(i)]
+                split = assign(qtype, c.scene_id, c.entity_id)
+                if split is None or taken.get(split, 0) >= (per_split or {}).get(split, 0):
+                    continue
+                taken[split] = taken.get(split, 0) + 1
+                chosen.append((c, split))
         prefix = {"perception": "perc", "search": "srch", "multi-hop": "mhop"}[qtype]
-        for k, c in enumerate(chosen):
+        for k, (c, split) in enumerate(chosen):
             qid = f"{prefix}-{seed}-{k:04d}"
             ent = entities[c.entity_id]
             rng = np.random.default_rng([seed, STREAM_CHOICES, ti, k])
@@ -206,7 +225,7 @@ def question_rows(
                     choices=json.dumps(choices, sort_keys=True) if choices is not None else None,
                     entity_id=c.entity_id,
                     difficulty=c.difficulty + (0 if choices is not None else 1),
-                    split="test",
+                    split=split,
                 )
             )
     return rows

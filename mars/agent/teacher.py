@@ -1,0 +1,224 @@
+"""The scripted SFT teacher: an imperfect policy that reads its tools' real observations, with a skill knob.
+
+What it does
+    :func:`teacher_policy` returns a ``policy(dialogue) -> str`` for one question, played through the same engine,
+    protocol and tools as a model (via :func:`mars.agent.oracle.scripted_backend`). Unlike the oracle
+    (:mod:`mars.agent.oracle`), the teacher uses the world's ground truth only where a model has to use its eyes
+    (where the red-framed emblem is, what the emblem in a crop shows); every name and fact it states is READ from
+    the tool observations in the dialogue:
+
+    - perception: ``image_zoom_in`` on the framed emblem, then ``<answer>`` its shape / letter / pattern;
+    - search: ``image_search(img_idx=0)``, then ``text_search("<top-1 title's name> <fact keyword>")``, then the fact
+      read from the snippet titled with that name (no snippet with it: an unsupported guess, which the judge then
+      rejects);
+    - multi-hop: zoom, ``image_search`` on the crop, ``text_search``, answer, as above.
+
+    The skill knob (DESIGN.md section 3: "the scripted teacher has a skill knob"): with probability ``1 - skill``
+    per decision the teacher makes a plausible mistake, then recovers: it zooms on ANOTHER emblem of the scene
+    (or a wrong cell) first, looks at the crop, says the frame is not there and zooms again; or it sends a
+    near-miss query (the name without the fact keyword, or the second image-search title) and searches again.
+    The ``<think>`` text is drawn from several templates per step. Recovery turns make trajectories longer; a
+    teacher that read a wrong name (image search's top-1 is wrong) answers wrongly, and the SFT stage keeps only
+    trajectories the judge marks correct (rejection sampling, as the paper does with its teacher model).
+
+Deviation
+    The paper's teacher is a strong VLM; ours is scripted over a generated world. Its "eyes" (the framed emblem's
+    box, the emblem's attributes) come from world truth; everything else comes from observations.
+
+How to run (Python)::
+        backend = scripted_backend(questions, lambda q: teacher_policy(q, world, skill=0.8, seed=0), world_dir)
+        trajs = run_episodes(questions, backend, toolbox, cfg, image_root=world_dir)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Callable
+
+import numpy as np
+
+from mars.agent.oracle import FACT_KEYWORD, World, _final, _last_user_text, _n_assistant, _question_kind, zoom_box
+from mars.agent.protocol import format_tool_call
+
+__all__ = ["teacher_policy", "titles_from_observation", "fact_from_observation"]
+
+_TITLE_SUFFIX = re.compile(r"\s+(logo|emblem|crest|insignia|badge)$")
+_YEAR = re.compile(r"\b(\d{4})\b")
+
+_THINK = {
+    "zoom": (
+        "The emblem inside the red frame is too small to see; zoom in on it.",
+        "I need a closer look at the framed emblem.",
+        "The red frame marks the emblem; crop it to see the details.",
+    ),
+    "zoom_wrong": (
+        "Zoom in on this emblem to see it better.",
+        "Let me look closer at one of the emblems.",
+    ),
+    "rezoom": (
+        "This crop has no red frame around it; that was the wrong emblem. Zoom on the framed one.",
+        "Wrong region: the red frame is elsewhere. Crop the framed emblem instead.",
+    ),
+    "image_search": (
+        "Find out whose emblem this is.",
+        "Search for similar images to identify the emblem.",
+        "An image search should tell me which organisation this is.",
+    ),
+    "text_search": (
+        "The image search says this is {name}; look up the fact.",
+        "Top match: {name}. Search the text for it.",
+        "It is {name}. Now find the {keyword} in the documents.",
+    ),
+    "requery": (
+        "These snippets do not give the {keyword} of {name}; search again with a better query.",
+        "Not the right documents. Search for {name} and its {keyword}.",
+    ),
+    "answer_fact": (
+        "The snippet about {name} gives {value}.",
+        "According to the document on {name}, the answer is {value}.",
+    ),
+    "answer_attr": (
+        "In the crop the emblem's {kind} is {value}.",
+        "The zoomed emblem clearly shows the {kind}: {value}.",
+    ),
+}
+
+
+def titles_from_observation(text: str) -> list[str]:
+    """Entity names in an image_search observation (``[i] <name> logo`` lines), in rank order."""
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"\[\d+\]\s*(.+)$", line.strip())
+        if m and ":" not in m.group(1):
+            out.append(_TITLE_SUFFIX.sub("", m.group(1).strip()))
+    return out
+
+
+def fact_from_observation(text: str, name: str, fact: str, pools: dict[str, list[str]]) -> str | None:
+    """The fact about ``name`` read from a text_search observation, or None when no snippet titled ``name`` has it.
+
+    Years are the first 4-digit number of the snippet; cities and founders the first known value (``pools``)
+    the snippet mentions.
+    """
+    for line in text.splitlines():
+        m = re.match(r"\[\d+\]\s*(.*?):\s(.*)", line)
+        if not m:
+            continue
+        title, snippet = m.group(1), m.group(2)
+        if title != name and not title.startswith(name + " - "):
+            continue
+        if fact == "founded_year":
+            y = _YEAR.search(snippet)
+            if y:
+                return y.group(1)
+            continue
+        hits = [(snippet.find(v), v) for v in pools.get(fact, ()) if re.search(r"\b" + re.escape(v) + r"\b", snippet)]
+        if hits:
+            return min(hits)[1]
+    return None
+
+
+def _obs_after(dialogue: list[dict], k: int) -> str:
+    """Text of the user message that followed the k-th assistant turn (0-based)."""
+    seen = -1
+    for i, m in enumerate(dialogue):
+        if m["role"] == "assistant":
+            seen += 1
+            if seen == k:
+                return _last_user_text(dialogue[: i + 2]) if i + 1 < len(dialogue) else ""
+    return ""
+
+
+def _wrong_box(world: World, q: dict, rng: np.random.Generator) -> list[int]:
+    """A plausible wrong zoom: another emblem of the same scene, else the mirror of the target's box."""
+    others = world.others.get(q["scene_id"], [])
+    if others:
+        return zoom_box(others[int(rng.integers(len(others)))])
+    x0, y0, x1, y1 = zoom_box(world.targets[q["scene_id"]])
+    return [1000 - x1, 1000 - y1, 1000 - x0, 1000 - y0]
+
+
+def teacher_policy(
+    question_row: dict,
+    world: World,
+    *,
+    skill: float = 1.0,
+    seed: int | list[int] = 0,
+    pools: dict[str, list[str]] | None = None,
+) -> Callable[[list[dict]], str]:
+    """An imperfect, observation-reading teacher for one question (see the module docstring).
+
+    ``skill`` in [0, 1]: the chance of each decision being made right the first time. ``pools``: the known
+    values of each fact (cities, founders) used to read them from snippets; built from ``world`` when omitted.
+    """
+    if not 0.0 <= skill <= 1.0:
+        raise ValueError(f"skill must be in [0, 1], got {skill}")
+    q = dict(question_row)
+    qtype, kind = q["type"], _question_kind(q)
+    truth = world.entities[q["entity_id"]]
+    if pools is None:
+        pools = {k: sorted({str(e[k]) for e in world.entities.values() if e.get(k) is not None})
+                 for k in ("city", "founder")}
+    seed_list = list(seed) if isinstance(seed, (list, tuple)) else [int(seed)]
+    rng = np.random.default_rng(seed_list + [sum(map(ord, str(q["question_id"])))])
+    # The plan is fixed up front (so the policy is a pure function of the turn number and the observations).
+    wrong_zoom = qtype != "search" and rng.random() > skill
+    wrong_query = qtype != "perception" and rng.random() > skill
+    picks = {k: int(rng.integers(len(v))) for k, v in _THINK.items()}
+    wrong_box = _wrong_box(world, q, rng) if wrong_zoom else None
+    keyword = FACT_KEYWORD.get(kind, kind)
+
+    def think(key: str, **kw) -> str:
+        return _THINK[key][picks[key]].format(**kw)
+
+    plan: list[str] = []
+    if qtype in ("perception", "multi-hop"):
+        plan += (["zoom_wrong", "rezoom"] if wrong_zoom else ["zoom"])
+    if qtype in ("search", "multi-hop"):
+        plan += ["image_search"] + (["query_wrong", "requery"] if wrong_query else ["text_search"])
+    plan.append("answer")
+    crop_idx = 2 if wrong_zoom else 1  # image index of the right crop (image 0 is the question image)
+
+    def name_seen(dialogue: list[dict]) -> str | None:
+        k = plan.index("image_search")
+        titles = titles_from_observation(_obs_after(dialogue, k))
+        return titles[0] if titles else None
+
+    def policy(dialogue: list[dict]) -> str:
+        n = _n_assistant(dialogue)
+        step = plan[min(n, len(plan) - 1)]
+        if step == "zoom":
+            return format_tool_call("image_zoom_in", {"bbox_2d": zoom_box(world.targets[q["scene_id"]]),
+                                                      "label": "framed emblem", "img_idx": 0}, think("zoom"))
+        if step == "zoom_wrong":
+            return format_tool_call("image_zoom_in", {"bbox_2d": wrong_box, "label": "emblem", "img_idx": 0},
+                                    think("zoom_wrong"))
+        if step == "rezoom":
+            return format_tool_call("image_zoom_in", {"bbox_2d": zoom_box(world.targets[q["scene_id"]]),
+                                                      "label": "framed emblem", "img_idx": 0}, think("rezoom"))
+        if step == "image_search":
+            idx = 0 if qtype == "search" else crop_idx
+            return format_tool_call("image_search", {"img_idx": idx}, think("image_search"))
+        name = name_seen(dialogue) if "image_search" in plan else None
+        if step in ("text_search", "query_wrong", "requery"):
+            if name is None:
+                return _final(q, "unknown", "The image search found nothing I can use.")
+            if step == "query_wrong":
+                k = plan.index("image_search")
+                titles = titles_from_observation(_obs_after(dialogue, k))
+                query = titles[1] if len(titles) > 1 and rng.random() < 0.5 else name
+                return format_tool_call("text_search", {"query": query}, think("text_search", name=query, keyword=keyword))
+            label = "requery" if step == "requery" else "text_search"
+            return format_tool_call("text_search", {"query": f"{name} {keyword}"},
+                                    think(label, name=name, keyword=keyword))
+        # answer
+        if qtype == "perception":
+            value = str(json.loads(truth["emblem"])[kind])
+            return _final(q, value, think("answer_attr", kind=kind if kind != "glyph" else "letter", value=value))
+        value = fact_from_observation(_obs_after(dialogue, n - 1), name or "", kind, pools) if name else None
+        if value is None:
+            return _final(q, "unknown", "The documents do not say; I cannot tell.")
+        return _final(q, value, think("answer_fact", name=name, value=value))
+
+    return policy

@@ -1,0 +1,204 @@
+"""Evaluation runs: benchmark questions through the shared engine, one result row per sample, resumable.
+
+What it does
+    :func:`engine_question` turns a BENCH_QUESTIONS row into the engine's question dict (image decoded lazily,
+    per chunk, so a benchmark of 4K scenes never sits decoded in memory at once).
+    :func:`evaluate_model` plays every question ``k`` times (Avg@k; sample 0 is Pass@1) for one model and
+    workflow through :func:`mars.agent.engine.run_episodes` in chunks of ``chunk_size`` episodes, scores each
+    episode with the shared rule judge (or an LLM judge, re-judging the extracted answer), and appends every
+    finished chunk to a :class:`ResultStore` (one parquet file per chunk, written atomically). Samples already in
+    the store are skipped, so an interrupted evaluation continues where it stopped and a rerun with the same
+    inputs re-scores nothing; every sample is scored exactly once.
+    :func:`result_rows` builds RESULTS rows; :func:`summarize` the metrics (accuracy per benchmark, model/workflow,
+    question type, category and difficulty; tool calls per episode) and :func:`plot_rows` the tables behind
+    ``dvc plots show``.
+
+Workflows
+    ``agentic``: the three tools and the protocol's system prompt (the ``agent`` params section).
+    ``direct``: no tools; a plain system prompt asking for ``<answer>`` in one turn (the paper's direct-answer
+    rows).
+
+Run the tests: ``.venv/bin/python -m pytest tests/eval -q``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+from tqdm import tqdm
+
+from mars.agent.engine import EngineConfig, PolicyBackend, Trajectory, messages_to_json, run_episodes
+from mars.data.io import atomic_path
+from mars.data.schemas import RESULTS
+
+__all__ = ["ResultStore", "engine_question", "evaluate_model", "result_rows", "summarize", "plot_rows", "WORKFLOWS"]
+log = logging.getLogger(__name__)
+WORKFLOWS = ("agentic", "direct")
+_TOOL_COLS = {"image_zoom_in": "n_zoom", "text_search": "n_text_search", "image_search": "n_image_search"}
+
+
+class ResultStore:
+    """Result rows of finished samples, appended chunk by chunk under ``root/<run key>/chunk-*.parquet``."""
+
+    def __init__(self, root: str | Path, key: str):
+        self.dir = Path(root) / re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def chunks(self) -> list[Path]:
+        return sorted(self.dir.glob("chunk-*.parquet"))
+
+    def table(self) -> pa.Table:
+        parts = [pq.read_table(p, schema=RESULTS) for p in self.chunks()]
+        return pa.concat_tables(parts) if parts else RESULTS.empty_table()
+
+    def done(self) -> set[str]:
+        return set(self.table().column("sample_id").to_pylist())
+
+    def append(self, rows: list[dict]) -> Path:
+        path = self.dir / f"chunk-{len(self.chunks()):05d}-{int(time.time() * 1000)}.parquet"
+        with atomic_path(path) as tmp:
+            pq.write_table(pa.Table.from_pylist(rows, schema=RESULTS), tmp)
+        return path
+
+
+def engine_question(row: dict) -> dict:
+    """A BENCH_QUESTIONS row as the engine's question dict (image decoded from its bytes)."""
+    with Image.open(io.BytesIO(row["images"][0])) as im:
+        image = im.convert("RGB")
+    answers = list(row["answers"])
+    return {"question_id": row["id"], "question": row["question"], "answer": answers[0], "aliases": answers[1:],
+            "choices": row.get("choices"), "image": image}
+
+
+def _png(im: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def result_rows(trajs: Sequence[Trajectory], rows: Sequence[dict], ks: Sequence[int], *, model: str, workflow: str,
+                seed: int, temperature: float, latencies: Sequence[float]) -> list[dict]:
+    """RESULTS rows for episodes ``trajs`` of benchmark ``rows`` (sample index ``ks``)."""
+    out = []
+    for t, r, k, lat in zip(trajs, rows, ks, latencies):
+        counts = {c: 0 for c in _TOOL_COLS.values()}
+        for call in t.tool_calls:
+            col = _TOOL_COLS.get(call.get("name"))
+            if col:
+                counts[col] += 1
+        out.append(dict(
+            sample_id=f"{r['benchmark']}/{r['id']}/{model}/{workflow}/{k}",
+            benchmark=r["benchmark"], question_id=r["id"], model=model, workflow=workflow, sample_idx=k,
+            seed=seed, temperature=float(temperature), question=r["question"], gold=list(r["answers"]),
+            prediction=t.answer, correct=bool(t.correct), score=1.0 if t.correct else 0.0, judge=t.judge,
+            category=r.get("category"), difficulty=r.get("difficulty"), type=r.get("type"),
+            finish_reason=t.finish_reason, turns=t.n_turns, tool_errors=t.n_tool_errors,
+            format_errors=t.n_format_errors, tokens=int(t.n_generated_tokens), latency_s=float(lat),
+            messages_json=messages_to_json(t.messages, t.images), images=[_png(im) for im in t.images], **counts,
+        ))
+    return out
+
+
+def _rejudge(trajs: list[Trajectory], qs: list[dict], judge: Callable[[str, str, list[str]], Any]) -> None:
+    """Replace rule verdicts with an LLM judge's (it sees only the extracted answer)."""
+    for t, q in zip(trajs, qs):
+        if t.answer is None:
+            continue
+        res = judge(q["question"], t.answer, [q["answer"], *q["aliases"]])
+        t.correct, t.judge = bool(res.correct), f"{res.judge}:{res.method}"
+
+
+def evaluate_model(
+    bench: Sequence[dict],
+    backend_factory: Callable[[], PolicyBackend],
+    toolbox: Any,
+    cfg: EngineConfig,
+    store: ResultStore,
+    *,
+    model: str,
+    workflow: str,
+    k: int = 1,
+    seed: int = 0,
+    chunk_size: int = 32,
+    question_hook: Callable[[dict, dict], dict] | None = None,
+    judge: Callable[[str, str, list[str]], Any] | None = None,
+) -> int:
+    """Score every (question, sample) of ``bench`` not yet in ``store``; returns how many were scored now.
+
+    ``question_hook(bench_row, engine_question)`` may add fields a scripted policy needs (the oracle's truth).
+    """
+    if workflow not in WORKFLOWS:
+        raise ValueError(f"workflow must be one of {WORKFLOWS}, got {workflow!r}")
+    if workflow == "direct":
+        cfg = replace(cfg, max_turns=1, prompt="direct")
+    done = store.done()
+    todo = [(r, s) for s in range(k) for r in bench
+            if f"{r['benchmark']}/{r['id']}/{model}/{workflow}/{s}" not in done]
+    if not todo:
+        return 0
+    backend = backend_factory()
+    bar = tqdm(total=len(todo), desc=f"eval {model}/{workflow}", unit="sample", leave=False)
+    for start in range(0, len(todo), chunk_size):
+        part = todo[start : start + chunk_size]
+        qs = []
+        for r, _ in part:
+            q = engine_question(r)
+            qs.append(question_hook(r, q) if question_hook else q)
+        t0 = time.perf_counter()
+        trajs = run_episodes(qs, backend, toolbox, cfg, seed=seed + 1000 * part[0][1] + start, image_root=None)
+        lat = (time.perf_counter() - t0) / len(part)
+        if judge is not None:
+            _rejudge(trajs, qs, judge)
+        store.append(result_rows(trajs, [r for r, _ in part], [s for _, s in part], model=model, workflow=workflow,
+                                 seed=seed, temperature=cfg.temperature, latencies=[lat] * len(part)))
+        bar.update(len(part))
+    bar.close()
+    return len(todo)
+
+
+def _acc(rows: list[dict]) -> float:
+    return round(sum(r["correct"] for r in rows) / len(rows), 4) if rows else 0.0
+
+
+def summarize(results: pa.Table) -> dict:
+    """Nested metrics: benchmark -> "model/workflow" -> accuracy, pass@1, by type/category/difficulty, tools."""
+    rows = results.to_pylist()
+    out: dict = {}
+    for bench in sorted({r["benchmark"] for r in rows}):
+        out[bench] = {}
+        b = [r for r in rows if r["benchmark"] == bench]
+        for mw in sorted({(r["model"], r["workflow"]) for r in b}):
+            rs = [r for r in b if (r["model"], r["workflow"]) == mw]
+            entry: dict = {"accuracy": _acc(rs), "pass@1": _acc([r for r in rs if r["sample_idx"] == 0]),
+                           "n": len(rs)}
+            for key in ("type", "category", "difficulty"):
+                vals = sorted({r[key] for r in rs if r[key] is not None})
+                if vals and not (key == "category" and vals == sorted({r["type"] for r in rs if r["type"]})):
+                    entry[f"by_{key}"] = {v: _acc([r for r in rs if r[key] == v]) for v in vals}
+            entry["tool_calls"] = {c: round(sum(r[c] for r in rs) / len(rs), 3) for c in _TOOL_COLS.values()}
+            entry["well_formed"] = round(sum(r["format_errors"] == 0 and r["finish_reason"] == "answer"
+                                             for r in rs) / len(rs), 4)
+            out[bench][f"{mw[0]}/{mw[1]}"] = entry
+    return out
+
+
+def plot_rows(results: pa.Table) -> tuple[list[dict], list[dict]]:
+    """(accuracy rows, tool-call rows) for the plots: one row per benchmark x model/workflow (x tool)."""
+    summary = summarize(results)
+    acc, tools = [], []
+    for bench, by in summary.items():
+        for mw, e in by.items():
+            acc.append({"benchmark": bench, "model": mw, "accuracy": e["accuracy"]})
+            for t, v in e["tool_calls"].items():
+                tools.append({"benchmark": bench, "model": mw, "tool": t[2:], "calls_per_episode": v})
+    return acc, tools
+

@@ -104,3 +104,97 @@ def test_shared_prefix_cache_gives_the_same_output_as_left_padding():
     assert [g.token_ids for g in again] == [g.token_ids for g in ref[1:]]
     for a, b in zip(first, ref):
         assert all(abs(x - y) < 1e-3 for x, y in zip(a.logprobs, b.logprobs))
+
+
+def _grow(dl: list[list[dict]], gens: list[Generation], turn: int) -> None:
+    """Append each reply and a tool turn; every other dialogue gets a tool image (a crop) of its own size."""
+    for i, (d, g) in enumerate(zip(dl, gens)):
+        d.append({"role": "assistant", "content": g.text})
+        content = [{"type": "text", "text": f"<tool_response>\nresult {turn}\n</tool_response>"}]
+        if (i + turn) % 2:
+            content.append({"type": "image", "image": image(30 + 7 * i + turn, (56 + 14 * (i % 3), 84))})
+        d.append({"role": "tool", "content": content})
+
+
+def _same(a: list[Generation], b: list[Generation], tol: float = 1e-4) -> None:
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.text for g in a] == [g.text for g in b]
+    assert [g.finish_reason for g in a] == [g.finish_reason for g in b]
+    for x, y in zip(a, b):
+        assert len(x.logprobs) == len(y.logprobs)
+        assert all(abs(p - q) < tol for p, q in zip(x.logprobs, y.logprobs))
+
+
+def test_episode_cache_over_turns_equals_uncached_generation():
+    """Three turns on growing dialogues (tool images in later turns, a repeated dialogue, two dialogues that differ
+    only in the pixels of a same-size image): reusing each dialogue's keys/values gives the same tokens and
+    log-probs as a fresh backend without the episode cache (plain ``model.generate``)."""
+    from mars.agent.protocol import system_prompt
+    from mars.tools.base import TOOL_SCHEMAS
+
+    _, proc, model = tiny_stack()
+    sp = system_prompt(TOOL_SCHEMAS)
+    q = "what year was it founded?"
+    base = [
+        [{"role": "system", "content": sp},
+         {"role": "user", "content": [{"type": "image", "image": image(1)}, {"type": "text", "text": q}]}],
+        [{"role": "system", "content": sp},
+         {"role": "user", "content": [{"type": "image", "image": image(2)}, {"type": "text", "text": q}]}],
+        [{"role": "system", "content": sp},
+         {"role": "user", "content": [{"type": "image", "image": image(1)}, {"type": "text", "text": q}]}],
+        [{"role": "system", "content": sp}, {"role": "user", "content": "the cat sat on the mat"}],
+        [{"role": "user", "content": "no system prompt here"}],
+    ]
+    on, off = HFBackend(model, proc), HFBackend(model, proc, episode_cache=False)
+    dl_on = [list(d) for d in base]
+    dl_off = [list(d) for d in base]
+    for turn in range(3):
+        a = on.generate(dl_on, max_new_tokens=9, stop=())
+        if turn:
+            assert on.last_stats["cached_tokens"] > on.last_stats["prefilled_tokens"]  # the cache was used
+        b = HFBackend(model, proc, episode_cache=False).generate(dl_off, max_new_tokens=9, stop=())
+        _same(a, b)
+        _grow(dl_on, a, turn)
+        _grow(dl_off, b, turn)
+    # a sub-batch in another order, one dialogue one turn further: still the same as without the cache
+    sub = [dl_on[3], dl_on[0]]
+    _same(on.generate(sub, max_new_tokens=9, stop=()), off.generate(sub, max_new_tokens=9, stop=()))
+
+
+def test_episode_cache_stop_strings_sampling_and_eviction():
+    tok, proc, model = tiny_stack()
+    dl = dialogues()
+    ref = HFBackend(model, proc, episode_cache=False).generate(dl, max_new_tokens=10, stop=())
+    stops = tuple({tok.decode(g.token_ids[2:3]) for g in ref if len(g.token_ids) > 3} - {""})
+    small = HFBackend(model, proc, max_cache_tokens=150)  # evicts: at most 150 cached tokens
+    for _ in range(2):
+        a = small.generate(dl, max_new_tokens=10, stop=stops)
+        b = HFBackend(model, proc, episode_cache=False).generate(dl, max_new_tokens=10, stop=stops)
+        _same(a, b)
+        assert small._cached_tokens <= 150
+        _grow(dl, a, 1)
+    s1 = HFBackend(model, proc).generate(dl, max_new_tokens=5, temperature=1.0, top_p=0.9, seed=3, stop=())
+    s2 = HFBackend(model, proc).generate(dl, max_new_tokens=5, temperature=1.0, top_p=0.9, seed=3, stop=())
+    assert [g.token_ids for g in s1] == [g.token_ids for g in s2]
+    assert all(len(g.logprobs) == len(g.token_ids) <= 5 for g in s1)
+
+
+def test_run_episodes_with_episode_cache_equals_uncached():
+    """The engine's multi-turn loop (one ``generate`` per step over all unfinished episodes) gives the same
+    trajectories with and without the episode cache."""
+    from mars.agent.engine import EngineConfig, run_episodes
+    from mars.tools.base import Observation
+
+    class Tools:
+        def call(self, name, arguments, images):
+            return Observation(text="nothing found", images=[image(5, (70, 70))])
+
+    _, proc, model = tiny_stack()
+    qs = [{"question": f"which guild {i}?", "answer": "x", "image": image(40 + i % 2)} for i in range(3)]
+    cfg = EngineConfig(max_turns=3, max_new_tokens_per_turn=8, min_pixels=28 * 28, max_pixels=56 * 56)
+    on = run_episodes(qs, HFBackend(model, proc), Tools(), cfg)
+    off = run_episodes(qs, HFBackend(model, proc, episode_cache=False), Tools(), cfg)
+    assert [t.token_ids for t in on] == [t.token_ids for t in off]
+    assert [t.n_turns for t in on] == [t.n_turns for t in off] and all(t.n_turns == 3 for t in on)
+    for a, b in zip(on, off):
+        assert all(abs(x - y) < 1e-4 for x, y in zip(a.logprobs, b.logprobs))

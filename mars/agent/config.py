@@ -26,7 +26,7 @@ __all__ = ["AgentParams"]
 class AgentParams:
     max_turns: int = 6
     max_new_tokens_per_turn: int = 96
-    max_total_tokens: int = 512
+    max_total_tokens: int = 256
     min_pixels: int = 56 * 56  # the policy's view of each image (Qwen smart_resize bounds)
     max_pixels: int = 224 * 224
     prompt: str = "compact"  # full | compact

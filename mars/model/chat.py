@@ -17,7 +17,8 @@ What it does
 
 Deviations
     Segments are tokenised separately (every boundary is next to a special token, so the ids equal whole-text
-    tokenisation). No default system prompt is inserted.
+    tokenisation). No default system prompt is inserted. Vision placeholder tokens inside TEXT (a model that
+    generated ``<|image_pad|>``, a user pasting one) are removed: only image items produce them.
 
 Run the tests: ``.venv/bin/python -m pytest tests/model -q``.
 """
@@ -73,6 +74,18 @@ class RenderedBatch:
         return {k: v for k, v in d.items() if v is not None}
 
 
+_VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def _no_vision_tokens(text: str) -> str:
+    """Text without vision placeholder tokens: only real images may put them in a dialogue (a model that
+    generates ``<|image_pad|>`` would otherwise desynchronise image tokens and image features)."""
+    for t in _VISION_TOKENS:
+        if t in text:
+            text = text.replace(t, "")
+    return text
+
+
 def _items(message: dict) -> list[dict]:
     role = message.get("role")
     if role not in _ROLES:
@@ -87,6 +100,7 @@ def _items(message: dict) -> list[dict]:
     for it in items:
         if it.get("type") not in ("text", "image"):
             raise ValueError(f"unknown content item type {it.get('type')!r}")
+    items = [{"type": "text", "text": _no_vision_tokens(it["text"])} if it["type"] == "text" else it for it in items]
     if role == "tool":
         text = "".join(it["text"] for it in items if it["type"] == "text")
         if not text.startswith("<tool_response>"):

@@ -6,6 +6,7 @@ other HTTP client have a real peer here; on GPU machines vLLM's server speaks th
 protocol and replaces it.
 
 - ``GET /v1/models``: the one served model.
+- ``POST /v1/reload``: ``{"path": DIR}`` swaps in the checkpoint at DIR (the RL stage's weight refresh).
 - ``POST /v1/chat/completions``: OpenAI chat messages (``system``/``user``/``assistant``/``tool``;
   content a string or parts ``{"type": "text"}`` / ``{"type": "image_url", "image_url":
   {"url": "data:image/...;base64,..."}}``), ``max_tokens``, ``temperature``, ``top_p``,
@@ -91,13 +92,43 @@ def to_internal(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def create_app(backend, model_name: str):
-    """The FastAPI app serving ``backend`` (an :class:`~mars.agent.hf_backend.HFBackend`)."""
+def load_backend(path: str, device: str = "cpu"):
+    """An HFBackend over the checkpoint directory ``path``."""
+    from mars.agent.hf_backend import HFBackend
+    from mars.model.build import load_checkpoint
+
+    model, _, processor = load_checkpoint(path, device=device)
+    return HFBackend(model, processor, device=device)
+
+
+def create_app(backend, model_name: str, loader=load_backend):
+    """The FastAPI app serving ``backend`` (an :class:`~mars.agent.hf_backend.HFBackend`).
+
+    ``POST /v1/reload`` with ``{"path": DIR}`` swaps in the checkpoint at ``DIR`` (``loader(DIR)``) between
+    requests: how the RL stage refreshes the policy's weights on the server after each update.
+    """
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
     app = FastAPI(title="MARS OpenAI-compatible server")
     lock = threading.Lock()
+    state = {"backend": backend, "reloads": 0}
+
+    @app.post("/v1/reload")
+    def reload(body: dict[str, Any]):
+        path = body.get("path")
+        if not isinstance(path, str) or not path:
+            return JSONResponse({"error": {"message": "body must be {\"path\": \"<checkpoint dir>\"}",
+                                           "type": "invalid_request_error"}}, status_code=400)
+        try:
+            new = loader(path)
+        except (FileNotFoundError, OSError, ValueError) as exc:
+            return JSONResponse({"error": {"message": f"cannot load {path}: {exc}", "type": "invalid_request_error"}},
+                                status_code=400)
+        with lock:
+            state["backend"] = new
+            state["reloads"] += 1
+        return {"status": "ok", "path": path, "reloads": state["reloads"]}
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -120,6 +151,7 @@ def create_app(backend, model_name: str):
         except RequestError as exc:
             return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error"}}, status_code=400)
         with lock:
+            backend = state["backend"]
             gen = backend.generate(
                 [dialogue], max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
                 seed=req.seed, stop=stop,
@@ -161,9 +193,6 @@ def create_app(backend, model_name: str):
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from mars.agent.hf_backend import HFBackend
-    from mars.model.build import load_checkpoint
-
     ap = argparse.ArgumentParser(prog="mars serve", description="OpenAI-compatible server for a local checkpoint.")
     ap.add_argument("--checkpoint", required=True, help="checkpoint directory (model, tokenizer, processor)")
     ap.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the directory name)")
@@ -171,10 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--device", default="cpu")
     ns = ap.parse_args(argv)
-    model, _, processor = load_checkpoint(ns.checkpoint, device=ns.device)
     name = ns.model_name or ns.checkpoint.rstrip("/").rsplit("/", 1)[-1]
-    uvicorn.run(create_app(HFBackend(model, processor, device=ns.device), name), host=ns.host, port=ns.port,
-                log_level="warning")
+    app = create_app(load_backend(ns.checkpoint, ns.device), name, lambda p: load_backend(p, ns.device))
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
     return 0
 
 

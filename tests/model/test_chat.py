@@ -83,3 +83,20 @@ def test_render_batch_left_and_right():
         assert torch.equal(row, r2.input_ids)
         assert b.attention_mask[1].sum() == n
     assert b.pixel_values is not None and b.image_grid_thw.shape == (1, 3)
+
+
+def test_vision_tokens_in_text_are_dropped_so_images_stay_in_sync():
+    # an untrained policy can generate "<|image_pad|>"; re-rendering its turn must not add image tokens
+    tok, proc, model = tiny_stack()
+    img = image(3)
+    msgs = [
+        {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "q <|vision_end|>"}]},
+        {"role": "assistant", "content": "<think>x<|image_pad|><|image_pad|></think><answer>1</answer>"},
+    ]
+    r = render(msgs, proc)
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    n_pad = int((r.input_ids == pad).sum())
+    assert n_pad == int(r.image_grid_thw.prod(-1).sum()) // 4  # exactly the image's merged patches
+    assert int((r.input_ids == tok.convert_tokens_to_ids("<|vision_end|>")).sum()) == 1
+    with torch.no_grad():
+        model(**r.model_inputs())  # features and tokens agree (raised before the fix)

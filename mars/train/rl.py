@@ -1,0 +1,340 @@
+"""BN-GSPO reinforcement learning with multi-turn tool rollouts (and its GRPO / GSPO ablation partners).
+
+What it does
+    :func:`train_rl` runs, for ``steps`` steps:
+
+    1. sample ``prompts_per_step`` (B) questions from the rl split (a seeded, resumable sampler) and play each
+       ``group_size`` (G) times through the shared rollout engine (:func:`mars.agent.engine.run_episodes`) with the
+       current policy (``temperature``, ``top_p``), scored by the shared judge and rewards;
+    2. optional dynamic sampling (DAPO style): groups whose rewards are all equal are dropped and new prompts are
+       drawn, up to ``max_refills`` rounds;
+    3. advantages (:func:`mars.rl.advantages.compute_advantages`: ``bn`` = group z-score then batch z-score,
+       ``grpo``, ``none``);
+    4. old log-probs recomputed on the masked model tokens of the rendered dialogues (tool outputs are masked
+       out and do not count in GSPO's |y|), then ``ppo_epochs`` x ``mini_batches`` updates of
+       :func:`mars.rl.losses.policy_loss` (``level`` ``sequence`` = GSPO, ``token`` = GRPO), micro-batched with
+       exact gradient accumulation; an optional k3 KL penalty to the frozen initial policy (``kl_beta``). With one
+       epoch and one mini-batch the ratio is exactly 1 and clipping is inert: a notice is logged.
+    5. monitors every step (dvclive): reward and its components, accuracy, degenerate-group fraction, batch scale
+       1/std, clip fractions, approximate KL, entropy, response length, turns, tool-call rate per tool, tool error
+       rate, format-error rate. A NaN or a collapse (tool calls per episode below ``collapse_min_tool_rate`` for
+       ``collapse_window`` consecutive steps) stops the run with a clear message.
+    6. checkpoints every ``checkpoint_every`` steps (model, optimizer, scheduler, RNG states, step, sampler
+       position, monitor history, rollout samples); a rerun with the same fingerprint resumes from the newest one
+       and reaches the same final weights as an uninterrupted run (CPU, same seed).
+
+Recipes (``algorithm``): ``bn_gspo`` (default; bn + sequence), ``gspo`` (grpo + sequence), ``grpo`` (grpo +
+token); ``estimator`` / ``level`` override the recipe's parts.
+
+Deviations
+    - The released MARS script runs plain GRPO; the paper's BN-GSPO is the default here (DESIGN.md section 6).
+    - The policy is rolled out in process (HF backend); on GPUs rollouts go to a vLLM server through the ``openai``
+      backend, with the weights pushed to the server after each update (:func:`mars.serve.openai_server` exposes
+      the reload call the stage uses; see the README).
+    - A fresh HF backend is made every step, so no KV cache computed with old weights is ever reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from mars.agent.engine import EngineConfig, Trajectory, run_episodes
+from mars.model.chat import render
+from mars.rl.advantages import batch_scale, compute_advantages, group_advantages
+from mars.rl.losses import entropy_from_logits, kl_penalty, loss_normalizer, masked_mean, policy_loss
+from mars.rl.rewards import RewardWeights
+from mars.train.checkpoint import latest_state, rng_state, save_state, set_rng_state, truncate_live
+from mars.train.data import EpochSampler, collate
+from mars.train.optim import OptimConfig, make_stepper
+from mars.train.sft import peak_rss_mb
+
+__all__ = ["RLConfig", "RECIPES", "train_rl", "sequence_logps", "RLCollapse"]
+log = logging.getLogger(__name__)
+
+RECIPES: dict[str, tuple[str, str]] = {"bn_gspo": ("bn", "sequence"), "gspo": ("grpo", "sequence"),
+                                       "grpo": ("grpo", "token")}
+TOOLS = ("image_zoom_in", "image_search", "text_search")
+
+
+class RLCollapse(RuntimeError):
+    """The run stopped on NaN or a collapse monitor."""
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, vision_lr=2e-4, warmup_steps=0,
+                                                                  schedule="constant", max_steps=40))
+    algorithm: str = "bn_gspo"
+    estimator: str = ""  # "" = the recipe's
+    level: str = ""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_beta: float = 0.0
+    prompts_per_step: int = 8
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    ppo_epochs: int = 1
+    mini_batches: int = 2
+    micro_batch_size: int = 16
+    dynamic_sampling: bool = False
+    max_refills: int = 2
+    collapse_window: int = 10
+    collapse_min_tool_rate: float = 0.05
+    checkpoint_every: int = 10
+    samples_per_step: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in RECIPES:
+            raise ValueError(f"rl.algorithm must be one of {sorted(RECIPES)}, got {self.algorithm!r}")
+        if self.estimator not in ("", "grpo", "bn", "none"):
+            raise ValueError(f"rl.estimator must be '', grpo, bn or none, got {self.estimator!r}")
+        if self.level not in ("", "token", "sequence"):
+            raise ValueError(f"rl.level must be '', token or sequence, got {self.level!r}")
+        if self.group_size < 2:
+            raise ValueError(f"rl.group_size must be >= 2 (a group z-score needs two rollouts), got {self.group_size}")
+        for name in ("prompts_per_step", "ppo_epochs", "mini_batches", "micro_batch_size", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kl_beta < 0:
+            raise ValueError(f"rl.kl_beta must be >= 0, got {self.kl_beta}")
+
+    @property
+    def recipe(self) -> tuple[str, str]:
+        est, lvl = RECIPES[self.algorithm]
+        return (self.estimator or est, self.level or lvl)
+
+
+def sequence_logps(model, batch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Token log-probs of each sequence's own next tokens: ``logp`` [B, T-1], ``mask`` [B, T-1] (model tokens),
+    and optionally the policy entropy [B, T-1]."""
+    logits = model(**batch.inputs).logits[:, :-1].float()  # [B, T-1, V]
+    ids = batch.inputs["input_ids"][:, 1:]  # [B, T-1]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None]).squeeze(-1)  # [B, T-1]
+    mask = (batch.labels[:, :-1] != -100)  # labels[t] is the token at t+1 when it is a model token
+    ent = entropy_from_logits(logits.detach()) if with_entropy else None
+    return logp, mask, ent
+
+
+def _monitors(trajs: Sequence[Trajectory], adv_group: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
+    n = len(trajs)
+    rewards = torch.tensor([t.reward for t in trajs])
+    degenerate = 0
+    ids = groups.unique()
+    for g in ids:
+        r = rewards[groups == g]
+        degenerate += int(bool((r == r[0]).all()))
+    m = {
+        "reward": float(rewards.mean()),
+        "reward_answer": float(np.mean([t.reward_answer for t in trajs])),
+        "reward_format": float(np.mean([t.reward_format for t in trajs])),
+        "accuracy": float(np.mean([t.correct for t in trajs])),
+        "degenerate_groups": degenerate / max(len(ids), 1),
+        "batch_scale": batch_scale(adv_group),
+        "response_tokens": float(np.mean([t.n_generated_tokens for t in trajs])),
+        "turns": float(np.mean([t.n_turns for t in trajs])),
+        "tool_calls": float(np.mean([t.n_tool_calls for t in trajs])),
+        "tool_error_rate": sum(t.n_tool_errors for t in trajs) / max(1, sum(t.n_tool_calls for t in trajs)),
+        "format_error_rate": float(np.mean([t.n_format_errors > 0 for t in trajs])),
+    }
+    for tool in TOOLS:
+        m[f"calls_{tool}"] = sum(1 for t in trajs for c in t.tool_calls if c["name"] == tool) / max(n, 1)
+    return m
+
+
+def train_rl(
+    model: torch.nn.Module,
+    processor,
+    questions: Sequence[dict],
+    toolbox: Any,
+    engine: EngineConfig,
+    cfg: RLConfig,
+    *,
+    ckpt_dir: str | Path,
+    live_dir: str | Path | None,
+    fp: str,
+    image_root: str | Path | None,
+    weights: RewardWeights = RewardWeights(),
+    backend_factory: Callable[[torch.nn.Module], Any] | None = None,
+    on_update: Callable[[int], None] | None = None,
+) -> dict:
+    """Train ``model`` in place (see the module docstring); returns the run summary with the monitor history."""
+    from mars.agent.hf_backend import HFBackend
+
+    estimator, level = cfg.recipe
+    make_backend = backend_factory or (lambda m: HFBackend(m, processor))
+    engine = EngineConfig(**{**asdict(engine), "temperature": cfg.temperature, "top_p": cfg.top_p})
+    stepper = make_stepper(model, cfg.optim)
+    ref = None
+    if cfg.kl_beta > 0:
+        import copy
+
+        ref = copy.deepcopy(model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+    sampler = EpochSampler(len(questions), cfg.prompts_per_step, cfg.seed)
+    refill_sampler = EpochSampler(len(questions), cfg.prompts_per_step, cfg.seed + 7919)
+    history: list[dict] = []
+    samples: list[dict] = []
+    start = 0
+    state = latest_state(ckpt_dir, fp)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        stepper.load_state_dict(state["stepper"])
+        sampler.load(state["sampler"])
+        refill_sampler.load(state["refill_sampler"])
+        set_rng_state(state["rng"])
+        history, samples, start = list(state["history"]), list(state["samples"]), int(state["step"])
+        log.info("resuming RL from step %d (%s)", start, ckpt_dir)
+    if cfg.ppo_epochs == 1 and cfg.mini_batches == 1:
+        log.warning("rl: one epoch and one mini-batch: the importance ratio is exactly 1 and clipping is inert "
+                    "(the update is plain policy gradient); raise rl.mini_batches or rl.ppo_epochs to make it live")
+    live = None
+    if live_dir is not None:
+        from dvclive import Live
+
+        if start:
+            truncate_live(live_dir, start - 1)
+        live = Live(dir=str(live_dir), resume=bool(start), report=None, save_dvc_exp=False, dvcyaml=False)
+        live.step = start
+    pad_id = processor.tokenizer.pad_token_id
+    low_tool_steps = 0
+    bar = tqdm(range(start, cfg.optim.max_steps), desc=f"rl {cfg.algorithm}", unit="step", initial=start,
+               total=cfg.optim.max_steps, leave=False)
+    for step in bar:
+        t0 = time.perf_counter()
+        model.eval()
+        backend = make_backend(model)
+        picked = [questions[i] for i in sampler.next()]
+        trajs: list[Trajectory] = []
+        groups: list[int] = []
+        rounds = 0
+        pending = picked
+        while pending:
+            batch_q = [q for q in pending for _ in range(cfg.group_size)]
+            got = run_episodes(batch_q, backend, toolbox, engine, seed=cfg.seed * 100003 + step * 101 + rounds,
+                               image_root=image_root, weights=weights)
+            for gi in range(len(pending)):
+                g = got[gi * cfg.group_size : (gi + 1) * cfg.group_size]
+                if cfg.dynamic_sampling and len({t.reward for t in g}) == 1 and rounds < cfg.max_refills:
+                    continue
+                gid = len(trajs) // cfg.group_size
+                trajs.extend(g)
+                groups.extend([gid] * len(g))
+            if not cfg.dynamic_sampling or rounds >= cfg.max_refills:
+                break
+            missing = cfg.prompts_per_step - len(trajs) // cfg.group_size
+            if missing <= 0:
+                break
+            rounds += 1
+            pending = [questions[i] for i in refill_sampler.next()[:missing]]
+        t_roll = time.perf_counter() - t0
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)  # [N]
+        gids = torch.tensor(groups)  # [N]
+        adv = compute_advantages(rewards, gids, estimator)  # [N]
+        adv_group = group_advantages(rewards, gids)
+        mon = _monitors(trajs, adv_group, gids)
+        mon["refill_rounds"] = rounds
+        # old log-probs on the rendered dialogues (what the update differentiates)
+        t1 = time.perf_counter()
+        rendered = [render(t.messages, processor) for t in trajs]
+        order = list(range(len(trajs)))
+        old: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for s in range(0, len(order), cfg.micro_batch_size):
+                idx = order[s : s + cfg.micro_batch_size]
+                b = collate([rendered[i] for i in idx], pad_id)
+                lp, _, _ = sequence_logps(model, b)
+                for j, i in enumerate(idx):
+                    old[i] = lp[j]
+        t_old = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        model.train()
+        stats_acc: dict[str, list[float]] = {}
+        ent_vals: list[float] = []
+        rng = np.random.default_rng([cfg.seed, step, 17])
+        for _epoch in range(cfg.ppo_epochs):
+            perm = [int(i) for i in rng.permutation(len(trajs))]
+            mbs = [perm[k :: cfg.mini_batches] for k in range(cfg.mini_batches)]
+            for mb in mbs:
+                if not mb:
+                    continue
+                micro = [mb[s : s + cfg.micro_batch_size] for s in range(0, len(mb), cfg.micro_batch_size)]
+                masks = []
+                for m_idx in micro:
+                    b = collate([rendered[i] for i in m_idx], pad_id)
+                    masks.append(b.labels[:, :-1] != -100)
+                T = max(x.shape[1] for x in masks)
+                full = torch.zeros(len(mb), T, dtype=torch.bool)
+                r0 = 0
+                for x in masks:
+                    full[r0 : r0 + len(x), : x.shape[1]] = x
+                    r0 += len(x)
+                total = loss_normalizer(full, level)
+                for m_idx in micro:
+                    b = collate([rendered[i] for i in m_idx], pad_id)
+                    lp, mask, ent = sequence_logps(stepper.module, b, with_entropy=True)
+                    T_ = lp.shape[1]
+                    olp = torch.stack([torch.nn.functional.pad(old[i], (0, max(0, T_ - len(old[i]))))[:T_]
+                                       for i in m_idx])
+                    loss, st = policy_loss(lp, olp, adv[m_idx], mask, level=level, clip_low=cfg.clip_low,
+                                           clip_high=cfg.clip_high, normalizer=total)
+                    if ref is not None:
+                        with torch.no_grad():
+                            rlp, _, _ = sequence_logps(ref, b)
+                        kl = kl_penalty(lp, rlp, mask)
+                        loss = loss + cfg.kl_beta * kl * (float(mask.sum()) / max(float(full.sum()), 1.0))
+                        st["kl_ref"] = float(kl)
+                    if not torch.isfinite(loss):
+                        raise RLCollapse(f"rl step {step}: the loss is {float(loss)}; lower rl.lr or check the "
+                                         f"rollouts (ratio_max {st.get('ratio_max')})")
+                    stepper.backward(loss)
+                    ent_vals.append(float(masked_mean(ent, mask)))
+                    for k, v in st.items():
+                        stats_acc.setdefault(k, []).append(v)
+                stepper.step()
+        if on_update is not None:
+            on_update(step)
+        t_upd = time.perf_counter() - t2
+        mon.update({k: float(np.mean(v)) for k, v in stats_acc.items() if k not in ("n_tokens", "n_seqs", "loss")})
+        mon["entropy"] = float(np.mean(ent_vals)) if ent_vals else 0.0
+        mon.update({"t_rollout": t_roll, "t_old_logp": t_old, "t_update": t_upd, "step": step})
+        history.append(mon)
+        for t in trajs[: cfg.samples_per_step]:
+            samples.append({**t.row(), "step": step})
+        bar.set_postfix(reward=f"{mon['reward']:.2f}", acc=f"{mon['accuracy']:.2f}")
+        if live is not None:
+            for k, v in mon.items():
+                if k != "step":
+                    live.log_metric(f"rl/{k}", v)
+            live.next_step()
+        if not all(math.isfinite(v) for v in mon.values() if isinstance(v, float)):
+            raise RLCollapse(f"rl step {step}: a monitor is not finite: {mon}")
+        low_tool_steps = low_tool_steps + 1 if mon["tool_calls"] < cfg.collapse_min_tool_rate else 0
+        if low_tool_steps >= cfg.collapse_window:
+            raise RLCollapse(f"rl collapsed at step {step}: tool calls per episode below "
+                             f"{cfg.collapse_min_tool_rate} for {cfg.collapse_window} steps "
+                             "(rl.collapse_min_tool_rate / rl.collapse_window); lower rl.lr")
+        done = step + 1
+        if done % cfg.checkpoint_every == 0 or done == cfg.optim.max_steps:
+            save_state(ckpt_dir, done, {
+                "fingerprint": fp, "step": done, "model": model.state_dict(), "stepper": stepper.state_dict(),
+                "sampler": sampler.state(), "refill_sampler": refill_sampler.state(), "rng": rng_state(),
+                "history": history, "samples": samples,
+            })
+    bar.close()
+    if live is not None:
+        live.end()
+    model.eval()
+    return {"history": history, "samples": samples, "resumed_from": start, "peak_rss_mb": round(peak_rss_mb(), 1),
+            "estimator": estimator, "level": level}

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
@@ -97,18 +97,35 @@ def _publish(stage: str, metrics: dict[str, Any]) -> None:
         create_table_artifact(rows, key=key, description=f"Metrics of the '{stage}' stage")
 
 
+def _publish_reports(stage: str, root: Path, outs: tuple[str, ...]) -> list[str]:
+    """A link artifact for every ``report.html`` in the stage's output directories (the evaluation report)."""
+    links = []
+    for out in outs:
+        report = root / out / "report.html"
+        if report.is_file():
+            key = re.sub(r"[^a-z0-9-]", "-", f"{stage}-report".lower())
+            create_link_artifact(report.resolve().as_uri(), link_text=f"{stage} report ({out}/report.html)", key=key,
+                                 description=f"The self-contained HTML report of the '{stage}' stage")
+            links.append(str(report))
+    return links
+
+
 _RAN = re.compile(r"Running stage '([^']+)'")
 _EXP = re.compile(r"Ran experiment\(s\):\s*(\S+)")
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def run_stage(stage: str, repo: str, overrides: dict[str, Any], metrics_paths: tuple[str, ...]):
-    """Run one DVC stage; a stage that is up to date finishes as Completed named Skipped."""
+def run_stage(stage: str, repo: str, overrides: dict[str, Any], metrics_paths: tuple[str, ...],
+              outs: tuple[str, ...] = ()):
+    """Run one DVC stage; a stage that is up to date finishes as Completed named Skipped.
+
+    Its metrics are published as a table artifact and any ``report.html`` among its outputs as a link."""
     logger = get_run_logger()
     root = Path(repo)
     if not overrides and stage_is_current(stage, root):
         logger.info("stage '%s' is up to date; DVC skips it", stage)
         _publish(stage, _read_metrics(root, metrics_paths))
+        _publish_reports(stage, root, outs)
         return Completed(name="Skipped", message=f"{stage}: up to date", data={"stage": stage, "status": "skipped"})
     if overrides:
         sets = [a for k, v in overrides.items() for a in ("-S", f"{k}={_format_value(v)}")]
@@ -125,6 +142,7 @@ def run_stage(stage: str, repo: str, overrides: dict[str, Any], metrics_paths: t
         metrics = _exp_metrics(root, found[-1], metrics_paths) if found else {}
     else:
         metrics = _read_metrics(root, metrics_paths)
+        _publish_reports(stage, root, outs)  # an experiment's outputs are not in the workspace
     _publish(stage, metrics)
     status = "ran" if ran else "restored"
     return Completed(
@@ -159,7 +177,8 @@ def mars_pipeline(
         stage_task = run_stage.with_options(
             name=name, task_run_name=name, retries=retries, retry_delay_seconds=cfg.retry_delay_s
         )
-        future = stage_task.submit(name, str(root), overrides, dag[name].metrics, wait_for=[previous] if previous else None)
+        future = stage_task.submit(name, str(root), overrides, dag[name].metrics, dag[name].outs,
+                                   wait_for=[previous] if previous else None)
         result = future.result()
         statuses[name] = result["status"]
         previous = future

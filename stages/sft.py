@@ -60,6 +60,7 @@ class Params:
     kv_heads: int = 2
     vision_hidden: int = 96
     vision_layers: int = 2
+    vision_window: int = 224  # window attention span in pixels (>= the policy's view: one window per image)
     rope_theta: float = 10000.0
     batch_size: int = 16
     grad_accum: int = 1
@@ -164,7 +165,7 @@ def build_stack(params: Params, agent: AgentParams, texts: list[str]):
     cfg = tiny_config(
         len(tok), text_hidden=params.text_hidden, text_layers=params.text_layers, heads=params.heads,
         kv_heads=params.kv_heads, vision_hidden=params.vision_hidden, vision_layers=params.vision_layers,
-        rope_theta=params.rope_theta, image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        rope_theta=params.rope_theta, window_size=params.vision_window, image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
         eos_token_id=ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
     )

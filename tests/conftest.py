@@ -64,6 +64,9 @@ TOY_STAGE = textwrap.dedent(
         text = ins["src"].read_text() if ins else ""
         outs["out"].parent.mkdir(parents=True, exist_ok=True)
         outs["out"].write_text(text + (params.word * params.n) + f"|{params.seed}\\n")
+        if section == "c":  # c also writes a report directory, like the evaluate stage
+            (outs["out"].parent / "c_report").mkdir(exist_ok=True)
+            (outs["out"].parent / "c_report" / "report.html").write_text("<html>report</html>")
         write_metrics(outs["metrics"], {"n": params.n, "chars": len(text) + params.n})
 
     if __name__ == "__main__":
@@ -104,7 +107,8 @@ def _stage(name: str, src: str | None) -> str:
         f"    deps:\n      - toy.py\n{dep_src}"
         f"    params:\n      - base\n      - {name}\n      - profiles.${{base.profile}}.{name}\n"
         f"    outs:\n      - out/{name}.txt\n"
-        f"    metrics:\n      - out/{name}.json:\n          cache: false\n"
+        + ("      - out/c_report\n" if name == "c" else "")
+        + f"    metrics:\n      - out/{name}.json:\n          cache: false\n"
     )
 
 
@@ -116,7 +120,7 @@ def toy_repo(tmp_path: Path) -> Path:
     (root / "toy.py").write_text(TOY_STAGE)
     (root / "params.yaml").write_text(TOY_PARAMS)
     (root / "dvc.yaml").write_text("stages:\n" + _stage("a", None) + _stage("b", "out/a.txt") + _stage("c", None))
-    (root / ".gitignore").write_text("/out/*.txt\n")
+    (root / ".gitignore").write_text("/out/*.txt\n/out/c_report\n")
     sh(["git", "init", "-q", "-b", "main"], root)
     dvc(["init", "-q"], root)
     dvc(["config", "core.analytics", "false"], root)

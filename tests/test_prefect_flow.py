@@ -54,7 +54,13 @@ def task_runs(api: str, flow_run_id: str) -> dict[str, dict]:
 def artifacts(api: str, flow_run_id: str) -> dict[str, list]:
     body = {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 50}
     rows = httpx.post(f"{api}/artifacts/filter", json=body).json()
-    return {a["key"]: (json.loads(a["data"]) if isinstance(a["data"], str) else a["data"]) for a in rows}
+    out = {}
+    for a in rows:
+        data = a["data"]
+        if a["type"] == "table" and isinstance(data, str):
+            data = json.loads(data)
+        out[a["key"]] = data
+    return out
 
 
 def test_flow_runs_stages_reports_skips_and_overrides(toy_repo, prefect_api):
@@ -69,6 +75,7 @@ def test_flow_runs_stages_reports_skips_and_overrides(toy_repo, prefect_api):
     assert tasks["a"]["expected_start_time"] <= tasks["b"]["expected_start_time"]
     metrics = artifacts(api, run["id"])
     assert {"metric": "out/b.json.n", "value": 3} in metrics["b-metrics"]
+    assert "out/c_report/report.html)" in metrics["c-report"]  # the report is published as a link (markdown)
 
     # second run: DVC finds everything up to date; the tasks complete as Skipped
     run_flow(toy_repo, home, api, "--stages", "b")

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from mars.model.chat import Rendered, render
 
-__all__ = ["dialogue_from_row", "render_examples", "EpochSampler", "collate", "Batch"]
+__all__ = ["dialogue_from_row", "render_examples", "EpochSampler", "collate", "Batch", "label_logits"]
 log = logging.getLogger(__name__)
 
 
@@ -131,3 +131,17 @@ def collate(examples: list[Rendered], pad_id: int) -> Batch:
         inputs["pixel_values"] = torch.cat(pv)
         inputs["image_grid_thw"] = torch.cat([r.image_grid_thw for r in examples if r.image_grid_thw is not None])
     return Batch(inputs, labels, int((labels != -100).sum()))
+
+
+def label_logits(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits only where a label exists: ``(logits [M, V], labels [M], index [M, 2])`` with M labelled positions.
+
+    The language-model head and the loss over a 2k vocabulary cost more than the whole tiny transformer when run on
+    every position; generated tokens are a quarter of a trajectory, so projecting only their hidden states saves
+    most of that (the values are identical to slicing full logits)."""
+    inner = model.model if hasattr(model, "model") and hasattr(model, "lm_head") else model.module.model
+    head = model.lm_head if hasattr(model, "lm_head") else model.module.lm_head
+    hidden = inner(**batch.inputs).last_hidden_state  # [B, T, H]
+    sel = batch.labels != -100  # [B, T]
+    index = sel.nonzero()  # [M, 2]
+    return head(hidden[sel]), batch.labels[sel], index

@@ -53,7 +53,7 @@ from mars.rl.advantages import batch_scale, compute_advantages, group_advantages
 from mars.rl.losses import entropy_from_logits, kl_penalty, loss_normalizer, masked_mean, policy_loss
 from mars.rl.rewards import RewardWeights
 from mars.train.checkpoint import latest_state, rng_state, save_state, set_rng_state, truncate_live
-from mars.train.data import EpochSampler, collate
+from mars.train.data import EpochSampler, collate, label_logits
 from mars.train.optim import OptimConfig, make_stepper
 from mars.train.sft import peak_rss_mb
 
@@ -118,11 +118,15 @@ class RLConfig:
 def sequence_logps(model, batch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Token log-probs of each sequence's own next tokens: ``logp`` [B, T-1], ``mask`` [B, T-1] (model tokens),
     and optionally the policy entropy [B, T-1]."""
-    logits = model(**batch.inputs).logits[:, :-1].float()  # [B, T-1, V]
-    ids = batch.inputs["input_ids"][:, 1:]  # [B, T-1]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None]).squeeze(-1)  # [B, T-1]
-    mask = (batch.labels[:, :-1] != -100)  # labels[t] is the token at t+1 when it is a model token
-    ent = entropy_from_logits(logits.detach()) if with_entropy else None
+    logits, labels, index = label_logits(model, batch)  # [M, V], [M], [M, 2]: only model-token positions
+    lp_sel = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)  # [M]
+    B, T = batch.labels.shape
+    mask = batch.labels[:, :-1] != -100  # [B, T-1]: labels[t] is the token at t+1 when it is a model token
+    logp = torch.zeros(B, T, dtype=lp_sel.dtype).index_put((index[:, 0], index[:, 1]), lp_sel)[:, :-1]  # [B, T-1]
+    ent = None
+    if with_entropy:
+        ent_sel = entropy_from_logits(logits.detach().float()[None])[0]  # [M]
+        ent = torch.zeros(B, T).index_put((index[:, 0], index[:, 1]), ent_sel)[:, :-1]
     return logp, mask, ent
 
 

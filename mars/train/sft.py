@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from mars.model.chat import Rendered
 from mars.train.checkpoint import latest_state, rng_state, save_state, set_rng_state, truncate_live
-from mars.train.data import EpochSampler, collate
+from mars.train.data import EpochSampler, collate, label_logits
 from mars.train.optim import OptimConfig, make_stepper
 
 __all__ = ["SFTConfig", "train_sft", "token_loss", "peak_rss_mb"]
@@ -60,7 +60,7 @@ class SFTConfig:
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over positions with a label (logits [B, T, V], labels [B, T] with -100 = none)."""
+    """Summed cross-entropy over positions with a label (logits [..., V], labels [...] with -100 = none)."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
                            reduction="sum")
 
@@ -125,8 +125,8 @@ def train_sft(
         total = 0.0
         for b in batches:
             with _autocast(cfg.precision):
-                logits = stepper.module(**b.inputs).logits
-            loss = token_loss(logits, b.labels) / max(n_tok, 1)
+                logits, labels, _ = label_logits(stepper.module, b)  # [M, V], [M]
+            loss = token_loss(logits, labels) / max(n_tok, 1)
             stepper.backward(loss)
             total += float(loss.detach())
         lrs = stepper.lrs()

@@ -42,7 +42,7 @@ Token accounting
     |y|, DESIGN.md section 4): ``len(token_ids)`` when the backend returns them, else ``ceil(len(text) / 4)``.
     The budget is checked after each turn, so an episode can overshoot it by less than one turn.
     ``token_ids`` / ``logprobs`` of a trajectory are the concatenation over its turns, kept only when every turn
-    had them.
+    had them; ``turn_tokens`` holds each turn's count, so per-turn boundaries can be recovered.
 
 Deviations
     - The image the tools read for index 0 is the ORIGINAL full-resolution question image by default
@@ -185,6 +185,7 @@ class Trajectory:
     token_ids: list[int] | None
     logprobs: list[float] | None
     n_generated_tokens: int = 0
+    turn_tokens: list[int] = field(default_factory=list)  # generated tokens per assistant turn (|y| per turn)
 
     def row(self) -> dict:
         """The TRAJECTORIES row of this episode."""
@@ -207,6 +208,7 @@ class Trajectory:
             judge=self.judge,
             token_ids=self.token_ids,
             logprobs=self.logprobs,
+            turn_tokens=list(self.turn_tokens),
         )
 
 
@@ -254,6 +256,7 @@ class _Episode:
     n_tool_errors: int = 0
     n_format_errors: int = 0
     tokens: int = 0
+    turn_tokens: list[int] = field(default_factory=list)
     token_ids: list[int] | None = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)
     answer: str | None = None
@@ -307,7 +310,8 @@ def _apply_generation(ep: _Episode, g: Generation, cfg: EngineConfig) -> ParsedT
         ep.finish = "backend_error"
         return None
     ep.messages.append({"role": "assistant", "content": text})
-    ep.tokens += _count_tokens(g)
+    ep.turn_tokens.append(_count_tokens(g))
+    ep.tokens += ep.turn_tokens[-1]
     if ep.token_ids is not None:
         ep.token_ids = ep.token_ids + list(g.token_ids) if g.token_ids is not None else None
     if ep.logprobs is not None:
@@ -367,6 +371,7 @@ def _score(ep: _Episode, weights: RewardWeights) -> Trajectory:
         token_ids=ep.token_ids if ep.parsed else None,
         logprobs=ep.logprobs if ep.parsed else None,
         n_generated_tokens=ep.tokens,
+        turn_tokens=ep.turn_tokens,
     )
 
 

@@ -167,17 +167,21 @@ def _last_user_text(dialogue: list[dict]) -> str:
     return ""
 
 
+def snippets_about(observation: str, name: str) -> list[str]:
+    """The snippets of a text_search observation (lines ``[i] title: snippet``) whose title is ``name``."""
+    out = []
+    for line in observation.splitlines():
+        m = re.match(r"\[\d+\]\s*(.*?):\s(.*)", line)
+        if m and (m.group(1) == name or m.group(1).startswith(name + " - ")):
+            out.append(m.group(2))
+    return out
+
+
 def read_fact(observation: str, name: str, fact: str, truth: str) -> tuple[str, bool]:
     """The fact as read from a text_search observation (lines ``[i] title: snippet``) about ``name``.
 
     Returns ``(value, from_observation)``; the truth when no snippet titled with the name states it."""
-    for line in observation.splitlines():
-        m = re.match(r"\[\d+\]\s*(.*?):\s(.*)", line)
-        if not m:
-            continue
-        title, snippet = m.group(1), m.group(2)
-        if title != name and not title.startswith(name + " - "):
-            continue
+    for snippet in snippets_about(observation, name):
         if fact == "founded_year":
             y = _YEAR_RE.search(snippet)
             if y:

@@ -38,7 +38,16 @@ from typing import Callable
 
 import numpy as np
 
-from mars.agent.oracle import FACT_KEYWORD, World, _final, _last_user_text, _n_assistant, _question_kind, zoom_box
+from mars.agent.oracle import (
+    FACT_KEYWORD,
+    World,
+    _final,
+    _last_user_text,
+    _n_assistant,
+    _question_kind,
+    snippets_about,
+    zoom_box,
+)
 from mars.agent.protocol import format_tool_call
 
 __all__ = ["teacher_policy", "titles_from_observation", "fact_from_observation"]
@@ -101,13 +110,7 @@ def fact_from_observation(text: str, name: str, fact: str, pools: dict[str, list
     Years are the first 4-digit number of the snippet; cities and founders the first known value (``pools``)
     the snippet mentions.
     """
-    for line in text.splitlines():
-        m = re.match(r"\[\d+\]\s*(.*?):\s(.*)", line)
-        if not m:
-            continue
-        title, snippet = m.group(1), m.group(2)
-        if title != name and not title.startswith(name + " - "):
-            continue
+    for snippet in snippets_about(text, name):
         if fact == "founded_year":
             y = _YEAR.search(snippet)
             if y:

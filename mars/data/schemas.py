@@ -159,6 +159,7 @@ TRAJECTORIES = pa.schema(
         _f("judge", pa.string()),  # e.g. "rule:exact", "rule:none"
         _f("token_ids", pa.list_(pa.int64()), nullable=True),  # generated tokens, all turns, when known
         _f("logprobs", pa.list_(pa.float32()), nullable=True),
+        _f("turn_tokens", pa.list_(pa.int32()), nullable=True),  # generated tokens of each assistant turn
     ]
 )
 

@@ -28,7 +28,7 @@ import torch
 
 from mars.data.io import atomic_dir
 
-__all__ = ["fingerprint", "save_state", "latest_state", "rng_state", "set_rng_state", "truncate_live"]
+__all__ = ["fingerprint", "save_state", "latest_state", "rng_state", "set_rng_state", "truncate_live", "open_live"]
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d{6,})$")
 
@@ -104,3 +104,18 @@ def truncate_live(live_dir: str | Path, step: int) -> None:
             w.writerow(head)
             w.writerows(keep)
         tmp.replace(tsv)
+
+
+def open_live(live_dir: str | Path | None, start: int):
+    """A dvclive logger for a run starting at step ``start`` (None without ``live_dir``).
+
+    A resumed run (``start > 0``) keeps the curve up to ``start - 1`` and continues it at ``start``."""
+    if live_dir is None:
+        return None
+    from dvclive import Live
+
+    if start:
+        truncate_live(live_dir, start - 1)
+    live = Live(dir=str(live_dir), resume=bool(start), report=None, save_dvc_exp=False, dvcyaml=False)
+    live.step = start
+    return live

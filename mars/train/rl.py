@@ -52,7 +52,7 @@ from mars.model.chat import render
 from mars.rl.advantages import batch_scale, compute_advantages, group_advantages
 from mars.rl.losses import entropy_from_logits, kl_penalty, loss_normalizer, masked_mean, policy_loss
 from mars.rl.rewards import RewardWeights
-from mars.train.checkpoint import latest_state, rng_state, save_state, set_rng_state, truncate_live
+from mars.train.checkpoint import latest_state, open_live, rng_state, save_state, set_rng_state
 from mars.train.data import EpochSampler, collate, label_logits
 from mars.train.optim import OptimConfig, make_stepper
 from mars.train.sft import peak_rss_mb
@@ -203,14 +203,7 @@ def train_rl(
     if cfg.ppo_epochs == 1 and cfg.mini_batches == 1:
         log.warning("rl: one epoch and one mini-batch: the importance ratio is exactly 1 and clipping is inert "
                     "(the update is plain policy gradient); raise rl.mini_batches or rl.ppo_epochs to make it live")
-    live = None
-    if live_dir is not None:
-        from dvclive import Live
-
-        if start:
-            truncate_live(live_dir, start - 1)
-        live = Live(dir=str(live_dir), resume=bool(start), report=None, save_dvc_exp=False, dvcyaml=False)
-        live.step = start
+    live = open_live(live_dir, start)
     pad_id = processor.tokenizer.pad_token_id
     low_tool_steps = 0
     bar = tqdm(range(start, cfg.optim.max_steps), desc=f"rl {cfg.algorithm}", unit="step", initial=start,

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mars.model.chat import Rendered
-from mars.train.checkpoint import latest_state, rng_state, save_state, set_rng_state, truncate_live
+from mars.train.checkpoint import latest_state, open_live, rng_state, save_state, set_rng_state
 from mars.train.data import EpochSampler, collate, label_logits
 from mars.train.optim import OptimConfig, make_stepper
 
@@ -102,14 +102,7 @@ def train_sft(
         history = list(state["history"])
         start = int(state["step"])
         log.info("resuming SFT from step %d (%s)", start, ckpt_dir)
-    live = None
-    if live_dir is not None:
-        from dvclive import Live
-
-        if start:
-            truncate_live(live_dir, start - 1)
-        live = Live(dir=str(live_dir), resume=bool(start), report=None, save_dvc_exp=False, dvcyaml=False)
-        live.step = start
+    live = open_live(live_dir, start)
     model.train()
     steps = cfg.optim.max_steps
     t_data = t_total = 0.0

@@ -221,6 +221,7 @@ def test_limits_end_episodes(smoke):
                          image_root=smoke["world"])
     assert all(t.finish_reason == "token_budget" and t.n_turns == 3 for t in trajs)
     assert all(len(t.token_ids) == 300 and len(t.logprobs) == 300 for t in trajs)
+    assert all(t.turn_tokens == [100, 100, 100] and t.row()["turn_tokens"] == [100, 100, 100] for t in trajs)
 
     class FailingBackend(ScriptedBackend):
         def generate(self, dialogues, **kw):

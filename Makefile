@@ -35,6 +35,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -c requirements.lock -e '.[bench]'  # TRL for bench_rl's side-by-side
 	@set -e; shopt -s nullglob; for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b; done
 
 ui: $(STAMP)

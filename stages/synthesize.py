@@ -10,7 +10,7 @@ What it does
     ``source: llm``: for real images, an OpenAI-compatible endpoint (``llm_base_url``, ``llm_model``; key from
     ``llm_api_key_env``) is asked for a search question about each curated image and its caption (a JSONL file
     ``llm_captions`` of ``{"id", "image_path", "caption"}``, image paths relative to the raw pool directory);
-    unusable replies are written to ``rejects.parquet`` with their reasons (:mod:`mars.synth.llm`). Splits are
+    unusable replies are written to ``rejects.jsonl`` with their reasons (:mod:`mars.synth.llm`). Splits are
     assigned by image with the same fractions.
 
     Difficulty mining (optional, ``mine_checkpoint`` set): the policy in that checkpoint plays each question of the
@@ -25,7 +25,7 @@ Deviation: the paper's questions come from a model plus human checks over real p
 templated over the generated world, whose ground truth the teacher and the judge use.
 
 Run: ``python -m stages.synthesize --world-dir data/world --curated data/curate/curated.parquet
---out data/synthesize --metrics data/metrics/synthesize.json``.
+--index-dir data/index --out data/synthesize --metrics data/metrics/synthesize.json``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ import pyarrow as pa
 from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import CURATED, QUESTIONS
-from mars.stage import stage_args, write_metrics
+from mars.agent.config import AgentParams
+from mars.stage import load_section, stage_args, write_metrics
 from mars.synth.splits import SPLITS, plan_splits, split_report
 
 SECTION = "synthesize"
@@ -87,6 +88,11 @@ class Params:
         for name in ("sft_per_type", "rl_per_type", "test_per_type", "mine_k"):
             if getattr(self, name) < 0:
                 raise ValueError(f"synthesize.{name} must be >= 0, got {getattr(self, name)}")
+        if any(f < 0 for f in self.fractions) or abs(sum(self.fractions) - 1.0) > 1e-6:
+            raise ValueError(f"synthesize split fractions (frac_sft, frac_rl, frac_test) must be >= 0 and sum to 1, "
+                             f"got {self.fractions}")
+        if not 0.0 <= self.unseen_entity_share < 1.0:
+            raise ValueError(f"synthesize.unseen_entity_share must be in [0, 1), got {self.unseen_entity_share}")
         if self.source == "llm" and not (self.llm_base_url and self.llm_model and self.llm_captions):
             raise ValueError("synthesize.source=llm needs llm_base_url, llm_model and llm_captions")
 
@@ -122,7 +128,8 @@ def world_questions(params: Params, world_dir: Path, curated: pa.Table, out: Pat
         _link(world_dir / "raw" / r["path"], scenes_dir / r["path"])
     tables.raw_images = pa.Table.from_pylist(raw, schema=tables.raw_images.schema)
     real = [e["entity_id"] for e in tables.entities.to_pylist() if not e["is_distractor"]]
-    plan = plan_splits([r["scene_id"] for r in raw], real, fractions=params.fractions,
+    usable = [r["scene_id"] for r in raw if not r["planted_case"]]  # planted traps never carry questions
+    plan = plan_splits(usable, real, fractions=params.fractions,
                        unseen_entity_share=params.unseen_entity_share, seed=params.seed)
     rows = question_rows(tables, scenes_dir, out / "images" / "search", seed=params.seed, root=out,
                          assign=plan.assign, per_split=params.per_split)
@@ -140,9 +147,9 @@ def llm_questions(params: Params, world_dir: Path, curated: pa.Table, out: Path)
         raise RuntimeError(f"{params.llm_captions}: none of its images is among the curated images")
     for c in items:
         _link(world_dir / "raw" / c["image_path"], out / "images" / "llm" / c["image_path"])
-    synth = LLMSynthesizer(params.llm_base_url, params.llm_model, api_key_env=params.llm_api_key_env,
-                           concurrency=params.llm_concurrency)
-    rows, rejects = synth.synthesize(items, image_root=world_dir / "raw")
+    with LLMSynthesizer(params.llm_base_url, params.llm_model, api_key_env=params.llm_api_key_env,
+                        concurrency=params.llm_concurrency) as synth:
+        rows, rejects = synth.synthesize(items, image_root=world_dir / "raw")
     ids = sorted({r["question_id"] for r in rows})
     order = np.random.default_rng([params.seed, 33]).permutation(len(ids))
     n = len(ids)
@@ -154,19 +161,17 @@ def llm_questions(params: Params, world_dir: Path, curated: pa.Table, out: Path)
     return rows, rejects
 
 
-def mine(params: Params, rows: list[dict], out: Path, index_dir: Path | None, world_dir: Path) -> tuple[list[dict], dict]:
-    """Difficulty mining with the checkpoint in ``mine_checkpoint`` (see the module docstring)."""
-    from mars.agent.engine import EngineConfig
+def mine(params: Params, agent: AgentParams, rows: list[dict], out: Path, index_dir: Path,
+         world_dir: Path) -> tuple[list[dict], dict]:
+    """Difficulty mining with the checkpoint in ``mine_checkpoint`` (see the module docstring), under the shared
+    ``agent`` configuration the policy was trained with."""
     from mars.agent.hf_backend import HFBackend
     from mars.model.build import load_checkpoint
     from mars.synth.mining import keep_band, pass_rates
-    from mars.tools.toolbox import ToolBox
 
-    if index_dir is None:
-        raise RuntimeError("difficulty mining needs the tool indexes: pass --index-dir")
     model, _, processor = load_checkpoint(params.mine_checkpoint)
-    toolbox = ToolBox.from_dirs(index_dir, world_dir / "gallery")
-    cfg = EngineConfig(temperature=params.mine_temperature, max_turns=6, max_new_tokens_per_turn=96)
+    toolbox = agent.toolbox(index_dir, world_dir / "gallery")
+    cfg = agent.engine(temperature=params.mine_temperature)
     target = [r for r in rows if r["split"] in params.mine_splits]
     passes = pass_rates(target, HFBackend(model, processor), toolbox, cfg, k=params.mine_k, seed=params.seed,
                         image_root=out)
@@ -174,7 +179,7 @@ def mine(params: Params, rows: list[dict], out: Path, index_dir: Path | None, wo
     return kept, {"mined": len(target), "mined_kept": sum(r["question_id"] in passes for r in kept)}
 
 
-def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path], agent: AgentParams | None = None) -> dict:
     curated = read_table(inputs["curated"], CURATED)
     world_dir = inputs["world_dir"]
     extra_metrics: dict = {}
@@ -184,7 +189,7 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
         else:
             rows, rejects = llm_questions(params, world_dir, curated, out)
         if params.mine_checkpoint:
-            rows, extra_metrics = mine(params, rows, out, inputs.get("index_dir"), world_dir)
+            rows, extra_metrics = mine(params, agent or AgentParams(), rows, out, inputs["index_dir"], world_dir)
         report = split_report(rows)
         if report["scene_overlap"]:
             raise RuntimeError(f"splits share scenes {report['scene_overlap'][:5]}: a bug in the split plan")
@@ -207,10 +212,9 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
 
 def main(argv: list[str] | None = None) -> int:
     params, inputs, outputs = stage_args(
-        SECTION, Params, argv, inputs=("world_dir", "curated"), outputs=("out", "metrics"),
-        optional_inputs=("index_dir",),
+        SECTION, Params, argv, inputs=("world_dir", "curated", "index_dir"), outputs=("out", "metrics"),
     )
-    run(params, inputs, outputs)
+    run(params, inputs, outputs, load_section("agent", AgentParams, argv))
     return 0
 
 

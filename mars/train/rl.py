@@ -32,6 +32,9 @@ Deviations
       backend, with the weights pushed to the server after each update (:func:`mars.serve.openai_server` exposes
       the reload call the stage uses; see the README).
     - A fresh HF backend is made every step, so no KV cache computed with old weights is ever reused.
+    - The monitor "tool calls on questions that need none" is not logged: every question of the generated world
+      needs a tool (perception a zoom, search and multi-hop searches); ``tool_calls`` per episode and the
+      per-tool rates are logged instead.
 """
 
 from __future__ import annotations

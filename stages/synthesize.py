@@ -129,8 +129,9 @@ def world_questions(params: Params, world_dir: Path, curated: pa.Table, out: Pat
     tables.raw_images = pa.Table.from_pylist(raw, schema=tables.raw_images.schema)
     real = [e["entity_id"] for e in tables.entities.to_pylist() if not e["is_distractor"]]
     usable = [r["scene_id"] for r in raw if not r["planted_case"]]  # planted traps never carry questions
+    targets = {t["scene_id"]: t["entity_id"] for t in tables.world_truth.to_pylist() if t["is_target"]}
     plan = plan_splits(usable, real, fractions=params.fractions,
-                       unseen_entity_share=params.unseen_entity_share, seed=params.seed)
+                       unseen_entity_share=params.unseen_entity_share, seed=params.seed, scene_targets=targets)
     rows = question_rows(tables, scenes_dir, out / "images" / "search", seed=params.seed, root=out,
                          assign=plan.assign, per_split=params.per_split)
     return [r for r in rows if r["type"] in params.types]

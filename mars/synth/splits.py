@@ -65,8 +65,12 @@ def plan_splits(
     fractions: tuple[float, float, float],
     unseen_entity_share: float,
     seed: int,
+    scene_targets: dict[str, str] | None = None,
 ) -> SplitPlan:
-    """A :class:`SplitPlan` (see the module docstring). ``fractions`` = (sft, rl, test), summing to 1."""
+    """A :class:`SplitPlan` (see the module docstring). ``fractions`` = (sft, rl, test), summing to 1.
+
+    ``scene_targets`` (scene id -> its target entity): held-out entities are then drawn from entities that are not
+    the target of an sft or rl scene, so holding them out never empties a training scene."""
     if any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-6:
         raise ValueError(f"split fractions (sft, rl, test) must be >= 0 and sum to 1, got {fractions}")
     if not 0.0 <= unseen_entity_share < 1.0:
@@ -76,9 +80,10 @@ def plan_splits(
     rng = np.random.default_rng([seed, STREAM_ENTITIES])
     order = [ents[int(i)] for i in rng.permutation(len(ents))]
     n_unseen = int(round(unseen_entity_share * len(order)))
-    unseen = set(order[:n_unseen])
+    training = {e for sc, e in (scene_targets or {}).items() if scenes.get(sc) in ("sft", "rl")}
+    unseen = set([e for e in order if e not in training][:n_unseen])
     entity_split = {e: "test" for e in unseen}
-    entity_split.update(_cut(order[n_unseen:], fractions, rng))
+    entity_split.update(_cut([e for e in order if e not in unseen], fractions, rng))
     return SplitPlan(scenes, entity_split, unseen)
 
 

@@ -35,15 +35,10 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_rollout import tiny_policy  # noqa: E402
+from bench_rollout import smoke_toolbox, tiny_policy  # noqa: E402
 from mars.agent.engine import EngineConfig  # noqa: E402
 from mars.agent.hf_backend import HFBackend  # noqa: E402
 from mars.eval.run import ResultStore, evaluate_model  # noqa: E402
-from mars.tools.embedders import load_embedder  # noqa: E402
-from mars.tools.image_index import ImageIndex  # noqa: E402
-from mars.tools.text_index import TextIndex  # noqa: E402
-from mars.tools.toolbox import ToolBox, ToolConfig  # noqa: E402
-from mars.world.generate import WorldSpec, generate_world  # noqa: E402
 from mars.world.questions import make_questions  # noqa: E402
 
 
@@ -75,13 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        tables = generate_world(WorldSpec.smoke(), root / "raw", root / "gallery", progress=False)
-        toolbox = ToolBox(
-            TextIndex.build(tables.corpus),
-            ImageIndex.build(tables.gallery, root / "gallery", load_embedder("color_layout"), show_progress=False),
-            root / "gallery",
-            ToolConfig(),
-        )
+        tables, toolbox = smoke_toolbox(root)
         qs = make_questions(tables, root / "raw", seed=0, n_per_type=ns.samples).to_pylist()
         rows = bench_rows(qs, root, ns.samples)
         model, proc = tiny_policy(tables.corpus.column("text").to_pylist(), ns.pixels)

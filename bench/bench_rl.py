@@ -228,23 +228,13 @@ def memory_child(ns) -> int:
     import resource
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_rollout import tiny_policy
-    from mars.tools.embedders import load_embedder
-    from mars.tools.image_index import ImageIndex
-    from mars.tools.text_index import TextIndex
-    from mars.tools.toolbox import ToolBox, ToolConfig
-    from mars.world.generate import WorldSpec, generate_world
+    from bench_rollout import smoke_toolbox, tiny_policy
     from mars.world.questions import make_questions
 
     logging.disable(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        tables = generate_world(WorldSpec.smoke(), root / "raw", root / "gallery", progress=False)
-        toolbox = ToolBox(
-            TextIndex.build(tables.corpus),
-            ImageIndex.build(tables.gallery, root / "gallery", load_embedder("color_layout"), show_progress=False),
-            root / "gallery", ToolConfig(),
-        )
+        tables, toolbox = smoke_toolbox(root)
         qs = make_questions(tables, root / "raw", seed=0, n_per_type=ns.mem_prompts).to_pylist()
         model, proc = tiny_policy(tables.corpus.column("text").to_pylist(), 224 * 224)
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

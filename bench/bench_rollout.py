@@ -43,6 +43,18 @@ from mars.world.generate import WorldSpec, generate_world
 from mars.world.questions import make_questions
 
 
+def smoke_toolbox(root: Path):
+    """A smoke world generated under ``root`` and a ToolBox over its in-memory indexes: ``(tables, toolbox)``."""
+    tables = generate_world(WorldSpec.smoke(), root / "raw", root / "gallery", progress=False)
+    toolbox = ToolBox(
+        TextIndex.build(tables.corpus),
+        ImageIndex.build(tables.gallery, root / "gallery", load_embedder("color_layout"), show_progress=False),
+        root / "gallery",
+        ToolConfig(),
+    )
+    return tables, toolbox
+
+
 def tiny_policy(texts: list[str], pixels: int):
     # the tokenizer sees the world's text and the protocol's own text (system prompt, tags), as
     # the pipeline's tokenizer does, so the system prompt does not explode into byte-level tokens
@@ -75,13 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        tables = generate_world(WorldSpec.smoke(), root / "raw", root / "gallery", progress=False)
-        toolbox = ToolBox(
-            TextIndex.build(tables.corpus),
-            ImageIndex.build(tables.gallery, root / "gallery", load_embedder("color_layout"), show_progress=False),
-            root / "gallery",
-            ToolConfig(),
-        )
+        tables, toolbox = smoke_toolbox(root)
         questions = make_questions(tables, root / "raw", seed=0, n_per_type=ns.episodes).to_pylist()
         questions = (questions * ns.episodes)[: ns.episodes]
         for i, q in enumerate(questions):

@@ -127,7 +127,6 @@ def remote_backend_factory(params: Params, processor, save_dir: Path):
 
 
 def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
-    from mars.agent.engine import trajectories_table  # noqa: F401  (schema of rollouts)
     from mars.model.build import load_checkpoint, save_checkpoint
     from mars.train.checkpoint import fingerprint
     from mars.train.rl import train_rl

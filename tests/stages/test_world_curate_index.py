@@ -196,13 +196,17 @@ def test_folder_source_runs_curation_on_real_photos(tmp_path):
 def test_dvc_repro_smoke_then_noop(clean_copy):
     params = (clean_copy / "params.yaml").read_text()
     (clean_copy / "params.yaml").write_text(re.sub(r"profile: default", "profile: smoke", params, count=1))
-    out = dvc(["repro"], clean_copy).stdout
-    assert set(re.findall(r"Running stage '([^']+)'", out)) == {"world", "curate", "index"}
+    out = dvc(["repro"], clean_copy).stdout  # the whole pipeline, world to evaluate, on the smoke profile
+    stages = set(yaml.safe_load((clean_copy / "dvc.yaml").read_text())["stages"])
+    assert stages == {"world", "curate", "index", "synthesize", "sft", "rl", "evaluate"}
+    assert set(re.findall(r"Running stage '([^']+)'", out)) == stages
     assert re.findall(r"Running stage '([^']+)'", dvc(["repro"], clean_copy).stdout) == []
     shown = json.loads(dvc(["metrics", "show", "--json"], clean_copy).stdout)
     metrics = next(iter(shown.values()))["data"]  # the workspace entry
     assert metrics["data/metrics/index.json"]["data"]["text_recall_at_5"] >= 0.95
     assert metrics["data/metrics/curate.json"]["data"]["planted_recall"] == 1.0
+    assert metrics["data/metrics/evaluate.json"]["data"]["test"]["oracle/agentic"]["accuracy"] >= 0.95
+    assert (clean_copy / "data/evaluate/report.html").is_file() and (clean_copy / "data/sft/model/config.json").is_file()
     check = sh([sys.executable, "-m", "mars.cli", "params", "check"], clean_copy)
     assert "profile smoke" in check.stdout
 

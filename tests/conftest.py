@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +147,26 @@ def clean_copy(tmp_path: Path) -> Path:
     sh(["git", "add", "-A"], dst)
     sh(["git", "commit", "-q", "-m", "copy"], dst)
     return dst
+
+
+@contextlib.contextmanager
+def serve_app(app, path: str = "/v1"):
+    """Run an ASGI ``app`` with uvicorn in a thread on a free 127.0.0.1 port; yields its base URL + ``path``."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.02)
+    assert srv.started, "the test server did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}{path}"
+    finally:
+        srv.should_exit = True
+        thread.join(5)
+        sock.close()

@@ -15,10 +15,8 @@ import base64
 import io
 import socket
 import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from PIL import Image
@@ -29,6 +27,7 @@ from mars.data.schemas import TRAJECTORIES
 from mars.tools.toolbox import ToolBox, ToolConfig
 from mars.world.questions import make_questions
 from tests.agent.test_engine import build_smoke_world
+from tests.conftest import serve_app
 
 
 class State:
@@ -91,23 +90,8 @@ def make_app(state: State) -> FastAPI:
 @pytest.fixture(scope="module")
 def server():
     state = State()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(make_app(state), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 10
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.02)
-    assert srv.started
-    try:
-        yield f"http://127.0.0.1:{port}/v1", state
-    finally:
-        srv.should_exit = True
-        thread.join(5)
-        sock.close()
+    with serve_app(make_app(state)) as url:
+        yield url, state
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,10 @@ import base64
 import doctest
 import io
 import json
-import socket
 import threading
-import time
 
 import pyarrow as pa
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from PIL import Image
@@ -26,6 +23,7 @@ from PIL import Image
 import mars.synth.llm as llm
 from mars.data.schemas import QUESTIONS
 from mars.synth.llm import PARSE_REASONS, REJECT_REASONS, LLMSynthesizer, parse_reply
+from tests.conftest import serve_app
 
 CAPTION = "The tall iron lattice tower on the Champ de Mars at dusk"
 
@@ -179,22 +177,8 @@ def make_app(state: State) -> FastAPI:
 @pytest.fixture()
 def server():
     state = State()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(make_app(state), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 10
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.02)
-    assert srv.started
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", state
-    finally:
-        srv.should_exit = True
-        thread.join(5)
-        sock.close()
+    with serve_app(make_app(state)) as url:
+        yield url, state
 
 
 def make_items(root, keys: list[str]) -> list[dict]:

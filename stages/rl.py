@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -49,16 +49,16 @@ class Params:
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_beta: float = 0.0
-    steps: int = 40
-    prompts_per_step: int = 8
+    steps: int = 30
+    prompts_per_step: int = 4
     group_size: int = 8
-    temperature: float = 1.0
+    temperature: float = 0.7
     top_p: float = 1.0
     ppo_epochs: int = 1
     mini_batches: int = 2
     micro_batch_size: int = 16
-    lr: float = 2e-4
-    vision_lr: float = 2e-4
+    lr: float = 5e-5
+    vision_lr: float = 5e-5
     warmup_steps: int = 0
     schedule: str = "constant"
     clip_norm: float = 1.0
@@ -80,16 +80,8 @@ class Params:
         optim = OptimConfig(lr=self.lr, vision_lr=self.vision_lr, warmup_steps=self.warmup_steps,
                             schedule=self.schedule, max_steps=self.steps, clip_norm=self.clip_norm,
                             freeze_vision=self.freeze_vision, deepspeed_stage=self.deepspeed_stage, weight_decay=0.0)
-        return RLConfig(
-            optim=optim, algorithm=self.algorithm, estimator=self.estimator, level=self.level,
-            clip_low=self.clip_low, clip_high=self.clip_high, kl_beta=self.kl_beta,
-            prompts_per_step=self.prompts_per_step, group_size=self.group_size, temperature=self.temperature,
-            top_p=self.top_p, ppo_epochs=self.ppo_epochs, mini_batches=self.mini_batches,
-            micro_batch_size=self.micro_batch_size, dynamic_sampling=self.dynamic_sampling,
-            max_refills=self.max_refills, collapse_window=self.collapse_window,
-            collapse_min_tool_rate=self.collapse_min_tool_rate, checkpoint_every=self.checkpoint_every,
-            samples_per_step=self.samples_per_step, seed=self.seed,
-        )
+        shared = {f.name: getattr(self, f.name) for f in fields(RLConfig) if f.name != "optim"}
+        return RLConfig(optim=optim, **shared)
 
     def __post_init__(self) -> None:
         if self.steps < 1:

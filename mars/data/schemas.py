@@ -85,6 +85,7 @@ WORLD_TRUTH = pa.schema(
         _f("cell_col", pa.int32()),
         _f("cue", pa.string()),  # how the target is singled out, e.g. "red_frame"
         _f("difficulty", pa.int32()),
+        _f("target_zone", pa.float32()),  # the target lies in this central share (per axis) of its cell
     ]
 )
 

@@ -74,18 +74,19 @@ class WorldSpec:
     (0 = 2x2 grid without decoys, the learnable default; 1 = 3x3 or one decoy; ...)."""
 
     seed: int = 0
-    n_entities: int = 200
+    n_entities: int = 400
     n_distractors: int = 60
     docs_per_entity: int = 3
     gallery_per_entity: int = 5
     heldout_per_entity: int = 1
     gallery_size: int = 256
-    n_scenes: int = 60
+    n_scenes: int = 100
     scene_long_side_min: int = 2048
     scene_long_side_max: int = 3840
     emblems_per_scene_min: int = 3
     emblems_per_scene_max: int = 6
-    emblem_frac: float = 0.035
+    emblem_frac: float = 0.05
+    target_zone: float = 0.4  # the target lies in this central share (per axis) of its cell
     grid_rows: int = 2
     grid_cols: int = 2
     frame_thickness_frac: float = 0.02
@@ -116,6 +117,7 @@ class WorldSpec:
              f"need 1 <= emblems_per_scene_min <= emblems_per_scene_max <= n_entities, got "
              f"{self.emblems_per_scene_min}, {self.emblems_per_scene_max}, {self.n_entities}")
         need(0.005 <= self.emblem_frac <= 0.2, f"emblem_frac must be in 0.005..0.2, got {self.emblem_frac}")
+        need(0.1 <= self.target_zone <= 1.0, f"target_zone must be in 0.1..1.0, got {self.target_zone}")
         need(self.grid_rows >= 1 and self.grid_cols >= 1 and self.grid_rows * self.grid_cols >= 2,
              f"the grid needs at least 2 cells, got {self.grid_rows}x{self.grid_cols}")
         need(0 < self.frame_thickness_frac <= 0.1,
@@ -140,7 +142,7 @@ class WorldSpec:
             long_side_max=long_side_max or self.scene_long_side_max,
             grid_rows=self.grid_rows, grid_cols=self.grid_cols,
             frame_thickness_frac=self.frame_thickness_frac, decoys=self.decoys,
-            emblem_frac=self.emblem_frac, emblems_min=self.emblems_per_scene_min,
+            emblem_frac=self.emblem_frac, target_zone=self.target_zone, emblems_min=self.emblems_per_scene_min,
             emblems_max=self.emblems_per_scene_max,
         )
 
@@ -337,7 +339,7 @@ def _truth_rows(task: RawTask, info: SceneInfo) -> list[dict[str, Any]]:
                  x0=p.box[0], y0=p.box[1], x1=p.box[2], y1=p.box[3], is_target=p.is_target,
                  scene_width=info.width, scene_height=info.height, grid_rows=info.grid_rows,
                  grid_cols=info.grid_cols, cell_row=p.cell[0], cell_col=p.cell[1], cue=CUE,
-                 difficulty=task.difficulty)
+                 difficulty=task.difficulty, target_zone=info.target_zone)
             for p in info.placements]
 
 

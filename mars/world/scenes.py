@@ -12,8 +12,13 @@ Geometry (all pure functions, so tests and other stages can recompute it):
   bleeds into the neighbouring tokens); ``decoys`` other cells get frames in other colours;
 - every emblem lies wholly inside the free interior of one cell (:func:`inner_box`), never under
   a frame; the target is alone in its cell, the other emblems share the other cells. Emblems are
-  ``emblem_frac`` of the short side (about 3.5%), so they are a few pixels at 448 px and clear in a
-  crop of their cell.
+  ``emblem_frac`` of the short side (5% by default), so they are about a dozen pixels in the 224-px
+  view of the whole scene and clear in a crop of their cell;
+- the target lies wholly inside the central ``target_zone`` share (per axis) of its cell
+  (:func:`zone_box`; 1.0 = anywhere in the cell). With the default 0.4, "zoom on the middle of the
+  framed cell" is a choice among ``grid_rows * grid_cols`` fixed boxes, which a tiny model learns
+  (DESIGN.md section 3), and the crop shows the emblem large enough for image search to identify
+  it; regressing an emblem's exact box from pixels is not learnable in the default budget.
 
 :func:`render_scene` draws one scene and returns the image with a :class:`SceneInfo` (boxes are
 tight around the emblem's visible pixels, ``x1``/``y1`` exclusive).
@@ -51,7 +56,8 @@ class SceneConfig:
     grid_cols: int = 2
     frame_thickness_frac: float = 0.02
     decoys: int = 0
-    emblem_frac: float = 0.035
+    emblem_frac: float = 0.05
+    target_zone: float = 0.4
     emblems_min: int = 3
     emblems_max: int = 6
 
@@ -78,6 +84,7 @@ class SceneInfo:
     decoy_cells: tuple[tuple[int, int], ...]
     frame_thickness: int
     placements: tuple[Placement, ...] = field(default_factory=tuple)
+    target_zone: float = 1.0
 
 
 def size_multiple(grid_rows: int, grid_cols: int) -> int:
@@ -140,6 +147,14 @@ def inner_box(width: int, height: int, grid_rows: int, grid_cols: int, row: int,
     return x0 + m, y0 + m, x1 - m, y1 - m
 
 
+def zone_box(width: int, height: int, grid_rows: int, grid_cols: int, row: int, col: int,
+             zone: float) -> tuple[int, int, int, int]:
+    """The central ``zone`` share (per axis) of cell (row, col), x1/y1 exclusive: where the target lies."""
+    x0, y0, x1, y1 = cell_box(width, height, grid_rows, grid_cols, row, col)
+    mx, my = round((x1 - x0) * (1 - zone) / 2), round((y1 - y0) * (1 - zone) / 2)
+    return x0 + mx, y0 + my, x1 - mx, y1 - my
+
+
 def draw_frame(draw: ImageDraw.ImageDraw, box: tuple[int, int, int, int], thickness: int,
                colour: tuple[int, int, int]) -> None:
     """A rectangular frame of ``thickness`` px just inside ``box`` (x1/y1 exclusive)."""
@@ -154,8 +169,13 @@ def background(rng: np.random.Generator, width: int, height: int) -> Image.Image
     return Image.fromarray(base).resize((width, height), Image.Resampling.BILINEAR)
 
 
-def draw_clutter(img: Image.Image, rng: np.random.Generator, density: float = 1.0) -> None:
-    """Random muted shapes, lines, hatching and emblem-sized badges drawn over ``img`` in place."""
+def draw_clutter(img: Image.Image, rng: np.random.Generator, density: float = 1.0,
+                 keep_clear: tuple[int, int, int, int] | None = None) -> None:
+    """Random muted shapes, lines, hatching and emblem-sized badges drawn over ``img`` in place.
+
+    ``keep_clear`` (x0, y0, x1, y1): no shape is drawn that could reach into this box (the target's zone, so
+    a crop of it shows the emblem on a calm background).
+    """
     w, h = img.size
     short = min(w, h)
     d = ImageDraw.Draw(img)
@@ -165,6 +185,9 @@ def draw_clutter(img: Image.Image, rng: np.random.Generator, density: float = 1.
         x, y = int(rng.integers(-short // 10, w)), int(rng.integers(-short // 10, h))
         e = int(short * math.exp(rng.uniform(math.log(0.006), math.log(0.22))))
         colour = muted_colour(rng)
+        if keep_clear is not None and (x - 2 * e < keep_clear[2] and x + 2 * e > keep_clear[0]
+                                       and y - 2 * e < keep_clear[3] and y + 2 * e > keep_clear[1]):
+            continue
         if kind == 0:
             d.rectangle([x, y, x + e, y + int(e * rng.uniform(0.2, 1.2))], fill=colour)
         elif kind == 1:
@@ -255,7 +278,8 @@ def render_scene(rng: np.random.Generator, cfg: SceneConfig, emblems: Sequence[E
     chosen = [int(i) for i in rng.choice(len(emblems), k, replace=False)]
 
     img = background(rng, w, h)
-    draw_clutter(img, rng)
+    zone = zone_box(w, h, rows, cols, *target_cell, cfg.target_zone) if cfg.target_zone < 1.0 else None
+    draw_clutter(img, rng, keep_clear=zone)
     img = add_tiled_noise(img, rng, int(rng.integers(2, 7)), noise_block)  # before the cue: it stays pure red
     d = ImageDraw.Draw(img)
     draw_frame(d, frame_box(w, h, rows, cols, *target_cell, t), t, CUE_COLOUR)
@@ -275,10 +299,14 @@ def render_scene(rng: np.random.Generator, cfg: SceneConfig, emblems: Sequence[E
         placed = None
         for cell in cells:
             ix0, iy0, ix1, iy1 = inner_box(w, h, rows, cols, *cell, t)
+            if is_target:
+                zx0, zy0, zx1, zy1 = zone_box(w, h, rows, cols, *cell, cfg.target_zone)
+                ix0, iy0, ix1, iy1 = max(ix0, zx0), max(iy0, zy0), min(ix1, zx1), min(iy1, zy1)
             if ix1 - ix0 < emblem.width or iy1 - iy0 < emblem.height:
                 raise ValueError(
-                    f"emblem of {emblem.width}x{emblem.height} px does not fit in a cell of a {w}x{h} scene; "
-                    "lower emblem_frac or frame_thickness_frac, or use fewer grid cells")
+                    f"emblem of {emblem.width}x{emblem.height} px does not fit in "
+                    f"{'the central target_zone of ' if is_target else ''}a cell of a {w}x{h} scene; "
+                    "lower emblem_frac or frame_thickness_frac, raise target_zone, or use fewer grid cells")
             for _ in range(40):
                 px = int(rng.integers(ix0, ix1 - emblem.width + 1))
                 py = int(rng.integers(iy0, iy1 - emblem.height + 1))
@@ -297,7 +325,8 @@ def render_scene(rng: np.random.Generator, cfg: SceneConfig, emblems: Sequence[E
         placements.append(Placement(entity_index=ent, box=box, cell=cell, is_target=is_target))
 
     info = SceneInfo(width=w, height=h, grid_rows=rows, grid_cols=cols, target_cell=target_cell,
-                     decoy_cells=decoy_cells, frame_thickness=t, placements=tuple(placements))
+                     decoy_cells=decoy_cells, frame_thickness=t, placements=tuple(placements),
+                     target_zone=cfg.target_zone)
     return img, info
 
 

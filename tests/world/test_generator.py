@@ -30,6 +30,7 @@ from mars.world.scenes import (
     frame_thickness,
     inner_box,
     render_scene,
+    zone_box,
 )
 
 SMOKE = WorldSpec.smoke(seed=0)
@@ -143,6 +144,9 @@ def test_targets_lie_in_their_red_framed_cell_and_are_small(world) -> None:
         w, h, gr, gc = t["scene_width"], t["scene_height"], t["grid_rows"], t["grid_cols"]
         assert (gr, gc) == (SMOKE.grid_rows, SMOKE.grid_cols) and t["cue"] == "red_frame" and t["difficulty"] == 0
         assert len({r["entity_id"] for r in rows}) == len(rows)
+        assert abs(t["target_zone"] - SMOKE.target_zone) < 1e-6
+        zx0, zy0, zx1, zy1 = zone_box(w, h, gr, gc, t["cell_row"], t["cell_col"], t["target_zone"])
+        assert zx0 <= t["x0"] and t["x1"] <= zx1 and zy0 <= t["y0"] and t["y1"] <= zy1  # in its cell's centre
         for r in rows:
             cx0, cy0, cx1, cy1 = cell_box(w, h, gr, gc, r["cell_row"], r["cell_col"])
             assert cx0 <= r["x0"] < r["x1"] <= cx1 and cy0 <= r["y0"] < r["y1"] <= cy1
@@ -150,8 +154,9 @@ def test_targets_lie_in_their_red_framed_cell_and_are_small(world) -> None:
             assert ix0 <= r["x0"] and r["x1"] <= ix1 and iy0 <= r["y0"] and r["y1"] <= iy1  # not under a frame
             area = (r["x1"] - r["x0"]) * (r["y1"] - r["y0"])
             assert area < 0.05 * w * h
-            # at the whole-scene resolution the policy sees (<= 448 px) the emblem is a few pixels
-            assert max(r["x1"] - r["x0"], r["y1"] - r["y0"]) * 448 / max(w, h) < 16
+            # at the whole-scene resolution the policy sees (agent.max_pixels = 224 x 224, so at most 224 px on
+            # the long side) the emblem is a few pixels
+            assert max(r["x1"] - r["x0"], r["y1"] - r["y0"]) * 224 / max(w, h) < 16
             if not r["is_target"]:
                 assert (r["cell_row"], r["cell_col"]) != (t["cell_row"], t["cell_col"])
         with Image.open(raw / paths[t["image_id"]]) as im:

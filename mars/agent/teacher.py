@@ -7,23 +7,28 @@ What it does
     (where the red-framed emblem is, what the emblem in a crop shows); every name and fact it states is READ from
     the tool observations in the dialogue:
 
-    - perception: ``image_zoom_in`` on the framed emblem, then ``<answer>`` its shape / letter / pattern;
+    - perception: ``image_zoom_in`` on the centre of the red-framed cell (:func:`~mars.agent.oracle.zone_zoom_box`:
+      the central ``target_zone`` share of the cell, where the world puts the target), then ``<answer>`` the
+      emblem's shape / letter / pattern;
     - search: ``image_search(img_idx=0)``, then ``text_search("<top-1 title's name> <fact keyword>")``, then the fact
       read from the snippet titled with that name (no snippet with it: an unsupported guess, which the judge then
       rejects);
     - multi-hop: zoom, ``image_search`` on the crop, ``text_search``, answer, as above.
 
     The skill knob (DESIGN.md section 3: "the scripted teacher has a skill knob"): with probability ``1 - skill``
-    per decision the teacher makes a plausible mistake, then recovers: it zooms on ANOTHER emblem of the scene
-    (or a wrong cell) first, looks at the crop, says the frame is not there and zooms again; or it sends a
+    per decision the teacher makes a plausible mistake, then recovers: it zooms on the centre of ANOTHER cell
+    first, looks at the crop, says the frame is not there and zooms again; or it sends a
     near-miss query (the name without the fact keyword, or the second image-search title) and searches again.
     The ``<think>`` text is drawn from several templates per step. Recovery turns make trajectories longer; a
     teacher that read a wrong name (image search's top-1 is wrong) answers wrongly, and the SFT stage keeps only
     trajectories the judge marks correct (rejection sampling, as the paper does with its teacher model).
 
 Deviation
-    The paper's teacher is a strong VLM; ours is scripted over a generated world. Its "eyes" (the framed emblem's
-    box, the emblem's attributes) come from world truth; everything else comes from observations.
+    The paper's teacher is a strong VLM; ours is scripted over a generated world. Its "eyes" (which cell is
+    framed, the emblem's attributes) come from world truth; everything else comes from observations. It zooms
+    on the framed cell's centre rather than the emblem's exact box (as a VLM teacher would): a 4-way choice the
+    tiny student can learn, where regressing exact boxes from pixels was not (DESIGN.md section 3; the README's
+    SFT notes).
 
 How to run (Python)::
         backend = scripted_backend(questions, lambda q: teacher_policy(q, world, skill=0.8, seed=0), world_dir)
@@ -46,7 +51,7 @@ from mars.agent.oracle import (
     _n_assistant,
     _question_kind,
     snippets_about,
-    zoom_box,
+    zone_zoom_box,
 )
 from mars.agent.protocol import format_tool_call
 
@@ -57,17 +62,17 @@ _YEAR = re.compile(r"\b(\d{4})\b")
 
 _THINK = {
     "zoom": (
-        "The emblem inside the red frame is too small to see; zoom in on it.",
-        "I need a closer look at the framed emblem.",
-        "The red frame marks the emblem; crop it to see the details.",
+        "The emblem inside the red frame is too small to see; zoom in on the framed region.",
+        "I need a closer look at the middle of the red frame.",
+        "The red frame marks the emblem; crop its centre to see the details.",
     ),
     "zoom_wrong": (
-        "Zoom in on this emblem to see it better.",
-        "Let me look closer at one of the emblems.",
+        "Zoom in on this region to see its emblem better.",
+        "Let me look closer at one of the regions.",
     ),
     "rezoom": (
-        "This crop has no red frame around it; that was the wrong emblem. Zoom on the framed one.",
-        "Wrong region: the red frame is elsewhere. Crop the framed emblem instead.",
+        "This crop is not inside the red frame; that was the wrong region. Zoom on the framed one.",
+        "Wrong region: the red frame is elsewhere. Crop the middle of the framed region instead.",
     ),
     "image_search": (
         "Find out whose emblem this is.",
@@ -134,12 +139,11 @@ def _obs_after(dialogue: list[dict], k: int) -> str:
 
 
 def _wrong_box(world: World, q: dict, rng: np.random.Generator) -> list[int]:
-    """A plausible wrong zoom: another emblem of the same scene, else the mirror of the target's box."""
-    others = world.others.get(q["scene_id"], [])
-    if others:
-        return zoom_box(others[int(rng.integers(len(others)))])
-    x0, y0, x1, y1 = zoom_box(world.targets[q["scene_id"]])
-    return [1000 - x1, 1000 - y1, 1000 - x0, 1000 - y0]
+    """A plausible wrong zoom: the centre of another cell of the grid."""
+    t = world.targets[q["scene_id"]]
+    cells = [(r, c) for r in range(t["grid_rows"]) for c in range(t["grid_cols"])
+             if (r, c) != (t["cell_row"], t["cell_col"])]
+    return zone_zoom_box(t, cells[int(rng.integers(len(cells)))])
 
 
 def teacher_policy(
@@ -192,14 +196,14 @@ def teacher_policy(
         n = _n_assistant(dialogue)
         step = plan[min(n, len(plan) - 1)]
         if step == "zoom":
-            return format_tool_call("image_zoom_in", {"bbox_2d": zoom_box(world.targets[q["scene_id"]]),
-                                                      "label": "framed emblem", "img_idx": 0}, think("zoom"))
+            return format_tool_call("image_zoom_in", {"bbox_2d": zone_zoom_box(world.targets[q["scene_id"]]),
+                                                      "label": "framed region", "img_idx": 0}, think("zoom"))
         if step == "zoom_wrong":
-            return format_tool_call("image_zoom_in", {"bbox_2d": wrong_box, "label": "emblem", "img_idx": 0},
+            return format_tool_call("image_zoom_in", {"bbox_2d": wrong_box, "label": "region", "img_idx": 0},
                                     think("zoom_wrong"))
         if step == "rezoom":
-            return format_tool_call("image_zoom_in", {"bbox_2d": zoom_box(world.targets[q["scene_id"]]),
-                                                      "label": "framed emblem", "img_idx": 0}, think("rezoom"))
+            return format_tool_call("image_zoom_in", {"bbox_2d": zone_zoom_box(world.targets[q["scene_id"]]),
+                                                      "label": "framed region", "img_idx": 0}, think("rezoom"))
         if step == "image_search":
             idx = 0 if qtype == "search" else crop_idx
             return format_tool_call("image_search", {"img_idx": idx}, think("image_search"))

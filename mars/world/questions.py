@@ -57,7 +57,8 @@ from PIL import Image
 from mars.data.schemas import QUESTIONS
 from mars.world.emblems import GLYPHS, PATTERNS, SHAPES, render_gallery_image
 
-__all__ = ["QUESTION_TYPES", "FACTS", "ATTRIBUTES", "make_questions", "load_question_image", "question_rows"]
+__all__ = ["QUESTION_TYPES", "FACTS", "ATTRIBUTES", "FACT_QUESTIONS", "PERCEPTION_QUESTIONS", "SEARCH_SUBJECT",
+           "make_questions", "load_question_image", "question_rows", "question_text"]
 
 QUESTION_TYPES: tuple[str, ...] = ("perception", "search", "multi-hop")
 ATTRIBUTES: dict[str, tuple[str, ...]] = {"shape": SHAPES, "glyph": tuple(GLYPHS), "pattern": PATTERNS}
@@ -66,12 +67,13 @@ SEARCH_IMAGE_SIZE = 448
 STREAM_SHUFFLE, STREAM_CHOICES, STREAM_RENDER = 21, 22, 23
 LETTERS = "ABCD"
 
-_PERCEPTION_Q = {
-    "shape": "What shape is the emblem inside the red frame?",
-    "glyph": "Which letter is drawn on the emblem inside the red frame?",
-    "pattern": "Which pattern is drawn on the emblem inside the red frame?",
+PERCEPTION_QUESTIONS = {  # {subject}: "the emblem inside the red frame" in scene questions
+    "shape": "What shape is {subject}?",
+    "glyph": "Which letter is drawn on {subject}?",
+    "pattern": "Which pattern is drawn on {subject}?",
 }
-_OPEN_HINT = {
+FRAMED_SUBJECT = "the emblem inside the red frame"
+OPEN_HINTS = {
     "shape": "Answer with one word (e.g. circle, hexagon).",
     "glyph": "Answer with the letter.",
     "pattern": f"Answer with one of: {', '.join(PATTERNS)}.",
@@ -79,16 +81,13 @@ _OPEN_HINT = {
     "city": "Answer with the city's name.",
     "founder": "Answer with the founder's full name.",
 }
-_SEARCH_Q = {
-    "founded_year": "In which year was the organisation with this emblem founded?",
-    "city": "In which city is the organisation with this emblem based?",
-    "founder": "Who founded the organisation with this emblem?",
+FACT_QUESTIONS = {  # {subject}: who the question is about
+    "founded_year": "In which year was {subject} founded?",
+    "city": "In which city is {subject} based?",
+    "founder": "Who founded {subject}?",
 }
-_MULTIHOP_Q = {
-    "founded_year": "In which year was the organisation whose emblem is inside the red frame founded?",
-    "city": "In which city is the organisation whose emblem is inside the red frame based?",
-    "founder": "Who founded the organisation whose emblem is inside the red frame?",
-}
+SEARCH_SUBJECT = "the organisation with this emblem"
+MULTIHOP_SUBJECT = "the organisation whose emblem is inside the red frame"
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,19 @@ class _Candidate:
     scene_id: str | None
     scene_path: str | None  # relative to raw_dir
     difficulty: int
+
+
+def question_text(base: str, key: str, answer: str, pool: list[str], rng: np.random.Generator | None
+                  ) -> tuple[str, dict[str, str] | None, list[str]]:
+    """(text, choices or None, aliases) of one question: multiple choice (4 options drawn with ``rng``, the
+    answer's letter as alias) when ``rng`` is given and the pool has another value, else open with a hint."""
+    choices = _mcq(rng, answer, pool) if rng is not None else None
+    if choices is not None and len(choices) < 2:
+        choices = None  # a degenerate world (one entity): fall back to the open variant
+    if choices is not None:
+        letter = next(k for k, v in choices.items() if v == answer)
+        return _mcq_text(base, choices), choices, [letter]
+    return f"{base} {OPEN_HINTS[key]}", None, []
 
 
 def _mcq(rng: np.random.Generator, answer: str, pool: list[str]) -> dict[str, str]:
@@ -192,19 +204,12 @@ def question_rows(
             rng = np.random.default_rng([seed, STREAM_CHOICES, ti, k])
             if qtype == "perception":
                 answer = str(json.loads(ent["emblem"])[c.key])
-                base, pool_vals = _PERCEPTION_Q[c.key], list(ATTRIBUTES[c.key])
+                base, pool_vals = PERCEPTION_QUESTIONS[c.key].format(subject=FRAMED_SUBJECT), list(ATTRIBUTES[c.key])
             else:
                 answer = _fact(ent, c.key)
-                base = (_SEARCH_Q if qtype == "search" else _MULTIHOP_Q)[c.key]
+                base = FACT_QUESTIONS[c.key].format(subject=SEARCH_SUBJECT if qtype == "search" else MULTIHOP_SUBJECT)
                 pool_vals = fact_pools[c.key]
-            choices = _mcq(rng, answer, pool_vals) if c.mcq else None
-            if choices is not None and len(choices) < 2:
-                choices = None  # a degenerate world (one entity): fall back to the open variant
-            if choices is not None:
-                letter = next(k2 for k2, v in choices.items() if v == answer)
-                text, aliases = _mcq_text(base, choices), [letter]
-            else:
-                text, aliases = f"{base} {_OPEN_HINT[c.key]}", []
+            text, choices, aliases = question_text(base, c.key, answer, pool_vals, rng if c.mcq else None)
             if qtype == "search":
                 search_dir.mkdir(parents=True, exist_ok=True)
                 path = search_dir / f"{qid}.png"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mars.agent.engine import EngineConfig, run_episodes
-from mars.agent.oracle import accuracy_by_type, scripted_backend
+from mars.agent.oracle import accuracy_by_type, scripted_backend, zone_zoom_box
 from mars.agent.teacher import fact_from_observation, teacher_policy, titles_from_observation
 from tests.agent.test_oracle import smoke  # noqa: F401  (module fixture: smoke world, questions, tools)
 
@@ -22,6 +22,16 @@ def test_skill_one_follows_the_shortest_plan_and_reads_observations(smoke):  # n
     assert all(t.n_turns == want[q["type"]] for t, q in zip(trajs, qs))
     acc = accuracy_by_type(trajs, qs)
     assert acc["perception"] == 1.0  # the teacher's eyes are the world truth
+    # it zooms on the centre zone of the framed cell (one of 4 fixed boxes), which holds the whole target
+    for t, q in zip(trajs, qs):
+        if q["type"] == "search":
+            continue
+        truth = smoke["world_truth"].targets[q["scene_id"]]
+        box = t.tool_calls[0]["arguments"]["bbox_2d"]
+        assert box == zone_zoom_box(truth)
+        W, H = truth["scene_width"], truth["scene_height"]
+        assert box[0] * W / 1000 <= truth["x0"] and truth["x1"] <= box[2] * W / 1000
+        assert box[1] * H / 1000 <= truth["y0"] and truth["y1"] <= box[3] * H / 1000
     # search answers are read from observations: wrong exactly when image search's top-1 title was wrong
     for t, q in zip(trajs, qs):
         if q["type"] == "search" and t.correct:
@@ -38,8 +48,12 @@ def test_skill_zero_makes_a_mistake_then_recovers(smoke):  # noqa: F811
     for t, q in zip(trajs, qs):
         names = [c["name"] for c in t.tool_calls]
         if q["type"] != "search":
-            assert names[:2] == ["image_zoom_in", "image_zoom_in"]  # wrong emblem first, then the framed one
-            assert t.tool_calls[0]["arguments"]["bbox_2d"] != t.tool_calls[1]["arguments"]["bbox_2d"]
+            assert names[:2] == ["image_zoom_in", "image_zoom_in"]  # a wrong cell first, then the framed one
+            truth = smoke["world_truth"].targets[q["scene_id"]]
+            others = [zone_zoom_box(truth, (r, c)) for r in range(2) for c in range(2)
+                      if (r, c) != (truth["cell_row"], truth["cell_col"])]
+            assert t.tool_calls[0]["arguments"]["bbox_2d"] in others
+            assert t.tool_calls[1]["arguments"]["bbox_2d"] == zone_zoom_box(truth)
         if q["type"] != "perception":
             assert names.count("text_search") == 2  # near-miss query, then the right one
     assert accuracy_by_type(trajs, qs)["perception"] == 1.0  # it recovers

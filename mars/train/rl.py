@@ -14,7 +14,8 @@ What it does
        out and do not count in GSPO's |y|), then ``ppo_epochs`` x ``mini_batches`` updates of
        :func:`mars.rl.losses.policy_loss` (``level`` ``sequence`` = GSPO, ``token`` = GRPO), micro-batched with
        exact gradient accumulation; an optional k3 KL penalty to the frozen initial policy (``kl_beta``). With one
-       epoch and one mini-batch the ratio is exactly 1 and clipping is inert: a notice is logged.
+       epoch and one mini-batch the ratio is exactly 1 and clipping is inert: a notice is logged, and the separate
+       old-log-prob pass is skipped (the update's own log-probs, detached, are the old ones, as in TRL).
     5. monitors every step (dvclive): reward and its components, accuracy, degenerate-group fraction, batch scale
        1/std, clip fractions, approximate KL, entropy, response length, turns, tool-call rate per tool, tool error
        rate, format-error rate. A NaN or a collapse (tool calls per episode below ``collapse_min_tool_rate`` for
@@ -203,7 +204,8 @@ def train_rl(
         set_rng_state(state["rng"])
         history, samples, start = list(state["history"]), list(state["samples"]), int(state["step"])
         log.info("resuming RL from step %d (%s)", start, ckpt_dir)
-    if cfg.ppo_epochs == 1 and cfg.mini_batches == 1:
+    inert = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
+    if inert:
         log.warning("rl: one epoch and one mini-batch: the importance ratio is exactly 1 and clipping is inert "
                     "(the update is plain policy gradient); raise rl.mini_batches or rl.ppo_epochs to make it live")
     live = open_live(live_dir, start)
@@ -250,13 +252,14 @@ def train_rl(
         rendered = [render(t.messages, processor) for t in trajs]
         order = list(range(len(trajs)))
         old: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for s in range(0, len(order), cfg.micro_batch_size):
-                idx = order[s : s + cfg.micro_batch_size]
-                b = collate([rendered[i] for i in idx], pad_id)
-                lp, _, _ = sequence_logps(model, b)
-                for j, i in enumerate(idx):
-                    old[i] = lp[j]
+        if not inert:  # with one epoch and one mini-batch, old = current (detached): no separate pass (as TRL)
+            with torch.no_grad():
+                for s in range(0, len(order), cfg.micro_batch_size):
+                    idx = order[s : s + cfg.micro_batch_size]
+                    b = collate([rendered[i] for i in idx], pad_id)
+                    lp, _, _ = sequence_logps(model, b)
+                    for j, i in enumerate(idx):
+                        old[i] = lp[j]
         t_old = time.perf_counter() - t1
         t2 = time.perf_counter()
         model.train()
@@ -270,10 +273,8 @@ def train_rl(
                 if not mb:
                     continue
                 micro = [mb[s : s + cfg.micro_batch_size] for s in range(0, len(mb), cfg.micro_batch_size)]
-                masks = []
-                for m_idx in micro:
-                    b = collate([rendered[i] for i in m_idx], pad_id)
-                    masks.append(b.labels[:, :-1] != -100)
+                batches = [collate([rendered[i] for i in m_idx], pad_id) for m_idx in micro]
+                masks = [b.labels[:, :-1] != -100 for b in batches]
                 T = max(x.shape[1] for x in masks)
                 full = torch.zeros(len(mb), T, dtype=torch.bool)
                 r0 = 0
@@ -281,12 +282,11 @@ def train_rl(
                     full[r0 : r0 + len(x), : x.shape[1]] = x
                     r0 += len(x)
                 total = loss_normalizer(full, level)
-                for m_idx in micro:
-                    b = collate([rendered[i] for i in m_idx], pad_id)
+                for m_idx, b in zip(micro, batches):
                     lp, mask, ent = sequence_logps(stepper.module, b, with_entropy=True)
                     T_ = lp.shape[1]
-                    olp = torch.stack([torch.nn.functional.pad(old[i], (0, max(0, T_ - len(old[i]))))[:T_]
-                                       for i in m_idx])
+                    olp = lp.detach() if inert else torch.stack(
+                        [torch.nn.functional.pad(old[i], (0, max(0, T_ - len(old[i]))))[:T_] for i in m_idx])
                     loss, st = policy_loss(lp, olp, adv[m_idx], mask, level=level, clip_low=cfg.clip_low,
                                            clip_high=cfg.clip_high, normalizer=total)
                     if ref is not None:

@@ -124,10 +124,16 @@ def test_each_recipe_steps_with_a_finite_loss(tmp_path, algorithm):
 
 
 def test_inert_ratio_is_announced(tmp_path, caplog):
+    before, _ = model_and_proc()
     with caplog.at_level(logging.WARNING, logger="mars.train.rl"):
-        run(tmp_path, cfg(mini_batches=1, optim=OptimConfig(lr=1e-3, vision_lr=1e-3, warmup_steps=0,
-                                                           schedule="constant", max_steps=1)))
+        model, s = run(tmp_path, cfg(mini_batches=1, optim=OptimConfig(lr=1e-3, vision_lr=1e-3, warmup_steps=0,
+                                                                      schedule="constant", max_steps=1)))
     assert "clipping is inert" in caplog.text
+    # no separate old-log-prob pass: the old log-probs are the update's own, detached, so the ratio is exactly 1
+    # (a second forward pass would differ by float noise) and the policy still moves
+    h = s["history"][0]
+    assert h["ratio_mean"] == 1.0 and h["approx_kl"] == 0.0 and h["clip_frac"] == 0.0
+    assert any(not torch.equal(p, q) for p, q in zip(before.parameters(), model.parameters()))
 
 
 def test_collapse_stops_with_a_clear_message(tmp_path):

@@ -10,14 +10,21 @@ What it does
        random-init Qwen2.5-VL built from the ``text_*`` / ``vision_*`` params, with a tokenizer trained on the
        world's text and the protocol (``tokenizer: local``) or the real Qwen2/2.5 vocabulary (``qwen``). The
        untrained model is saved as ``base/`` (the evaluate stage's "untrained" row).
-    3. Training (:func:`mars.train.sft.train_sft`): assistant-token loss, per-module learning rates, warm-up and
+    3. Pre-training phase (``pretrain_steps`` > 0; the embedded default): ``pretrain_steps`` steps on gallery
+       captions (:mod:`mars.synth.captions`: an emblem's shape, letter or pattern) and text-only reading drills
+       over real tool outputs (:mod:`mars.synth.drills`: copy a fact from a snippet, copy the top image-search
+       title into a query), about entities of no test question. These stand in for the base model's pre-training
+       (a random-init tiny model cannot read emblems or copy names from its context, and the multimodal
+       trajectories are too costly per step to teach it); checkpoints in ``--checkpoints``/pretrain.
+    4. Training (:func:`mars.train.sft.train_sft`): assistant-token loss, per-module learning rates, warm-up and
        schedule, clipping, accumulation, optional DeepSpeed ZeRO-2/3, checkpoints every ``checkpoint_every``
        steps into ``--checkpoints`` (kept by DVC across runs: a killed ``dvc repro`` resumes from the newest
        one), curves with dvclive in ``--live``. The final model is saved as ``model/``, a self-contained HF
        checkpoint directory (weights, config, tokenizer, processor, chat template).
 
-Deviation: the paper's teacher is a strong VLM with about 3k cold-start trajectories; the default's teacher is
-scripted over the generated world (imperfect on purpose) and SFT sees a few hundred trajectories.
+Deviations: the paper's teacher is a strong VLM with about 3k cold-start trajectories; the default's teacher is
+scripted over the generated world (imperfect on purpose) and SFT sees a few hundred trajectories. The paper starts
+from a pretrained Qwen2.5-VL; the default's random-init model gets the short pre-training phase (step 3) first.
 
 Run: ``python -m stages.sft --questions data/synthesize/questions.parquet --image-root data/synthesize
 --world-dir data/world --index-dir data/index --out data/sft --checkpoints data/sft_ckpt --live data/sft_live
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from mars.agent.config import AgentParams
 from mars.data.io import atomic_dir, read_table
@@ -41,6 +49,7 @@ from mars.data.schemas import QUESTIONS
 from mars.stage import load_section, stage_args, write_metrics
 
 SECTION = "sft"
+TEACHER_CHUNK = 64  # teacher episodes played at once (bounds the memory of full-resolution scenes)
 log = logging.getLogger(__name__)
 
 
@@ -50,9 +59,12 @@ class Params:
     teacher_skill: float = 0.8
     teacher_base_url: str = ""
     teacher_model: str = ""
-    n_trajectories: int = 300
+    n_trajectories: int = 450
+    pretrain_steps: int = 0  # phase 1: steps on gallery captions + reading drills (0 = no pre-training phase)
+    pretrain_captions: int = 0  # gallery-caption dialogues (mars.synth.captions)
+    pretrain_drills: int = 0  # text-only reading drills over real tool outputs (mars.synth.drills)
     tokenizer: str = "local"  # local | qwen
-    vocab_size: int = 2048
+    vocab_size: int = 6144
     init_checkpoint: str = ""  # a local HF checkpoint directory instead of the tiny random-init model
     text_hidden: int = 128
     text_layers: int = 3
@@ -88,15 +100,20 @@ class Params:
             raise ValueError(f"sft.tokenizer must be 'local' or 'qwen', got {self.tokenizer!r}")
         if self.n_trajectories < 1:
             raise ValueError(f"sft.n_trajectories must be >= 1, got {self.n_trajectories}")
+        if min(self.pretrain_steps, self.pretrain_captions, self.pretrain_drills) < 0:
+            raise ValueError("sft.pretrain_steps, pretrain_captions and pretrain_drills must be >= 0")
+        if self.pretrain_steps and not (self.pretrain_captions or self.pretrain_drills):
+            raise ValueError("sft.pretrain_steps > 0 needs pretrain_captions or pretrain_drills > 0")
         self.train_config()  # validates the training knobs
 
-    def train_config(self):
+    def train_config(self, max_steps: int | None = None):
         from mars.train.optim import OptimConfig
         from mars.train.sft import SFTConfig
 
         optim = OptimConfig(
             lr=self.lr, vision_lr=self.vision_lr, weight_decay=self.weight_decay, warmup_steps=self.warmup_steps,
-            schedule=self.schedule, min_lr_ratio=self.min_lr_ratio, max_steps=self.max_steps,
+            schedule=self.schedule, min_lr_ratio=self.min_lr_ratio,
+            max_steps=self.max_steps if max_steps is None else max_steps,
             clip_norm=self.clip_norm, freeze_vision=self.freeze_vision, deepspeed_stage=self.deepspeed_stage,
         )
         return SFTConfig(optim=optim, batch_size=self.batch_size, grad_accum=self.grad_accum,
@@ -120,8 +137,11 @@ def teacher_trajectories(params: Params, agent: AgentParams, questions: list[dic
 
         backend = OpenAIBackend(params.teacher_base_url, params.teacher_model)
     t0 = time.perf_counter()
-    trajs = run_episodes(questions, backend, toolbox, agent.engine(), seed=params.seed, image_root=image_root,
-                         weights=agent.weights())
+    trajs = []
+    # in chunks: every active episode holds its full-resolution scene (25 MB at 4K) for the tools
+    for s in tqdm(range(0, len(questions), TEACHER_CHUNK), desc="teacher", unit="chunk", leave=False):
+        trajs += run_episodes(questions[s : s + TEACHER_CHUNK], backend, toolbox, agent.engine(), seed=params.seed,
+                              image_root=image_root, weights=agent.weights())
     good = [t for t in trajs if t.correct and t.reward_format > 0]
     kept = good[: params.n_trajectories]
     stats = {
@@ -148,6 +168,26 @@ def tokenizer_texts(world_dir: Path, questions: list[dict], trajs: list, system:
             texts.append(c if isinstance(c, str) else " ".join(p.get("text", "") for p in c if p.get("type") == "text"))
     texts += [system] * 20
     return texts
+
+
+def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path,
+                       all_questions: list[dict]) -> list[list[dict]]:
+    """The pre-training phase's data: ``pretrain_captions`` gallery captions (:mod:`mars.synth.captions`) and
+    ``pretrain_drills`` reading drills (:mod:`mars.synth.drills`), never about an entity of a test question."""
+    if params.pretrain_steps == 0:
+        return []
+    from mars.data.schemas import ENTITIES, GALLERY
+    from mars.synth.captions import caption_dialogues
+    from mars.synth.drills import reading_drills
+
+    held_out = {q["entity_id"] for q in all_questions if q["split"] == "test" and q.get("entity_id")}
+    gallery = read_table(world_dir / "gallery.parquet", GALLERY).to_pylist()
+    entities = read_table(world_dir / "entities.parquet", ENTITIES).to_pylist()
+    captions = caption_dialogues(gallery, entities, world_dir / "gallery", n=params.pretrain_captions,
+                                 seed=params.seed, exclude_entities=held_out)
+    drills = reading_drills(agent.toolbox(index_dir, world_dir / "gallery"), entities, gallery, world_dir / "gallery",
+                            n=params.pretrain_drills, seed=params.seed, exclude_entities=held_out)
+    return captions + drills
 
 
 def build_stack(params: Params, agent: AgentParams, texts: list[str]):
@@ -186,26 +226,37 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.train.sft import train_sft
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    questions = [q for q in read_table(inputs["questions"], QUESTIONS).to_pylist() if q["split"] == "sft"]
+    all_questions = read_table(inputs["questions"], QUESTIONS).to_pylist()
+    questions = [q for q in all_questions if q["split"] == "sft"]
     if not questions:
         raise RuntimeError(f"{inputs['questions']}: no questions in the sft split; check the synthesize params")
     trajs, stats = teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
                                         inputs["index_dir"])
+    pretrain = pretrain_dialogues(params, agent, inputs["world_dir"], inputs["index_dir"], all_questions)
     system = (system_prompt if agent.prompt == "full" else compact_system_prompt)(TOOL_SCHEMAS)
     model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
     examples = render_examples([t.messages for t in trajs], proc, params.max_len, desc="rendering trajectories")
     _check_masks(examples, tok)
     fp = fingerprint(params, agent, _file_hash(inputs["questions"]), len(examples))
+    pre_stats: dict = {}
     with atomic_dir(outputs["out"]) as out:
         write_artifacts({out / "trajectories.parquet": (trajectories_table(trajs), "trajectories")})
         save_checkpoint(model, tok, proc, out / "base")
+        if pretrain:  # phase 1 (its own checkpoints, so a kill in either phase resumes there)
+            pre_examples = render_examples(pretrain, proc, params.max_len, desc="rendering pre-training data")
+            _check_masks(pre_examples, tok)
+            pre = train_sft(model, pre_examples, params.train_config(params.pretrain_steps), pad_id=tok.pad_token_id,
+                            ckpt_dir=outputs["checkpoints"] / "pretrain", live_dir=None,
+                            fp=fingerprint(fp, "pretrain", len(pre_examples)))
+            pre_stats = {"pretrain_examples": len(pre_examples), "pretrain_loss_first": pre["loss_first"],
+                         "pretrain_loss_final": pre["loss_final"], "pretrain_tokens_per_s": pre["tokens_per_s"]}
         summary = train_sft(model, examples, params.train_config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"], live_dir=outputs["live"], fp=fp)
         if not all(torch.isfinite(torch.tensor([l for _, l in summary["history"]]))):
             raise RuntimeError("SFT loss became NaN/inf; lower sft.lr or sft.vision_lr")
         save_checkpoint(model, tok, proc, out / "model")
     metrics = {**stats, **{k: v for k, v in summary.items() if k != "history"}, "params": count_params(model),
-               "examples": len(examples)}
+               "examples": len(examples), **pre_stats}
     log.info("sft: %s", metrics)
     write_metrics(outputs["metrics"], metrics)
     return metrics

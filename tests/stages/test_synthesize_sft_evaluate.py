@@ -213,6 +213,10 @@ def test_sft_loss_trajectories_and_masks(trained):
     assert m["steps"] == b.fp.max_steps and m["resumed_from"] == 0
     assert m["loss_final"] < 0.1 * m["loss_first"], m
     assert m["loss_final"] < LOSS_FINAL_MAX, m
+    # the pre-training phase (gallery captions + reading drills) ran first, on every example it was given
+    assert m["pretrain_examples"] == b.fp.pretrain_captions + b.fp.pretrain_drills
+    assert m["pretrain_loss_final"] < 0.5 * m["pretrain_loss_first"], m
+    assert (b.tmp / f"sft_ckpt/pretrain/step-{b.fp.pretrain_steps:06d}").is_dir()
     traj = pq.read_table(b.tmp / "sft/trajectories.parquet").to_pylist()
     assert len(traj) == m["trajectories"] == m["examples"] and 0 < len(traj) <= b.fp.n_trajectories
     assert all(t["correct"] and t["finish_reason"] == "answer" and t["reward_format"] > 0 for t in traj)

@@ -1,0 +1,62 @@
+"""Reading drills: real tool observations in the prompt, the teacher's copy in the reply, held-out entities unused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mars.agent.protocol import parse_turn
+from mars.agent.teacher import titles_from_observation
+from mars.synth.drills import drill_kind, reading_drills
+from tests.agent.test_oracle import smoke  # noqa: F401  (module fixture: smoke world, questions, tools)
+
+
+def _args(smoke, **kw):  # noqa: F811
+    tables = smoke["tables"]
+    return dict(toolbox=smoke["toolbox"], entities=tables.entities.to_pylist(), gallery=tables.gallery.to_pylist(),
+                gallery_dir=smoke["world"] / "gallery", **kw)
+
+
+def test_drills_copy_from_real_observations(smoke):  # noqa: F811
+    entities = {e["entity_id"]: e for e in smoke["tables"].entities.to_pylist()}
+    real = sorted(e for e, r in entities.items() if not r["is_distractor"])
+    held_out = set(real[:3])
+    drills = reading_drills(**_args(smoke, n=40, seed=0, exclude_entities=held_out))
+    assert len(drills) == 40
+    kinds = [drill_kind(d) for d in drills]
+    assert 5 <= kinds.count("title") <= 30 and kinds.count("fact") >= 5
+    held_names = {entities[e]["name"] for e in held_out}
+    for user, assistant in drills:
+        text = user["content"][0]["text"]
+        assert text.startswith("<tool_response>\n") and "\n</tool_response>\n" in text
+        observation, question = text.split("\n</tool_response>\n")
+        turn = parse_turn(assistant["content"])
+        assert turn.well_formed, assistant["content"]
+        if turn.action == "tool_call":  # title drill: the query starts with the top-1 title's name
+            top = titles_from_observation(observation)[0]
+            assert turn.tool_name == "text_search" and turn.arguments["query"].startswith(top + " ")
+            assert "this emblem" in question
+        else:  # fact drill: the question names an entity that is not held out, and the answer is in the snippet
+            name = max((r["name"] for r in entities.values() if r["name"] in question.splitlines()[0]), key=len)
+            assert name not in held_names
+            ent = next(r for r in entities.values() if r["name"] == name)
+            truth = {str(ent[k]) for k in ("founded_year", "city", "founder")}
+            value = turn.answer
+            if "\nA. " in question:
+                value = dict(line.split(". ", 1) for line in question.splitlines()[1:5])[turn.answer]
+            assert value in truth and value in observation
+
+
+def test_drills_are_seeded_and_fail_clearly(smoke):  # noqa: F811
+    a = reading_drills(**_args(smoke, n=8, seed=1))
+    b = reading_drills(**_args(smoke, n=8, seed=1))
+    c = reading_drills(**_args(smoke, n=8, seed=2))
+    dump = lambda ds: json.dumps(ds, sort_keys=True)  # noqa: E731
+    assert dump(a) == dump(b) and dump(a) != dump(c)
+    assert reading_drills(**_args(smoke, n=0)) == []
+    every = {e["entity_id"] for e in smoke["tables"].entities.to_pylist()}
+    with pytest.raises(ValueError, match="no entity left"):
+        reading_drills(**_args(smoke, n=3, exclude_entities=every))
+    with pytest.raises(ValueError, match=">= 0"):
+        reading_drills(**_args(smoke, n=-1))

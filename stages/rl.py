@@ -49,7 +49,7 @@ class Params:
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_beta: float = 0.0
-    steps: int = 30
+    steps: int = 20
     prompts_per_step: int = 4
     group_size: int = 8
     temperature: float = 0.7

@@ -64,6 +64,7 @@ class Params:
     pretrain_captions: int = 0  # gallery-caption dialogues (mars.synth.captions)
     pretrain_drills: int = 0  # text-only reading drills over real tool outputs (mars.synth.drills)
     tokenizer: str = "local"  # local | qwen
+    pretokenizer: str = "words"  # local tokenizer: words (split from spaces and punctuation) | bytelevel (GPT-2 style)
     vocab_size: int = 6144
     init_checkpoint: str = ""  # a local HF checkpoint directory instead of the tiny random-init model
     text_hidden: int = 128
@@ -96,6 +97,8 @@ class Params:
             raise ValueError(f"sft.teacher must be 'scripted' or 'openai', got {self.teacher!r}")
         if self.teacher == "openai" and not (self.teacher_base_url and self.teacher_model):
             raise ValueError("sft.teacher=openai needs teacher_base_url and teacher_model")
+        if self.pretokenizer not in ("words", "bytelevel"):
+            raise ValueError(f"sft.pretokenizer must be 'words' or 'bytelevel', got {self.pretokenizer!r}")
         if self.tokenizer not in ("local", "qwen"):
             raise ValueError(f"sft.tokenizer must be 'local' or 'qwen', got {self.tokenizer!r}")
         if self.n_trajectories < 1:
@@ -199,7 +202,8 @@ def build_stack(params: Params, agent: AgentParams, texts: list[str]):
     if params.init_checkpoint:
         model, tok, proc = load_checkpoint(params.init_checkpoint)
         return model, tok, proc
-    tok = train_tokenizer(texts, vocab_size=params.vocab_size) if params.tokenizer == "local" else load_qwen_vocab()
+    tok = (train_tokenizer(texts, vocab_size=params.vocab_size, pretokenizer=params.pretokenizer)
+           if params.tokenizer == "local" else load_qwen_vocab())
     proc = build_processor(tok, agent.min_pixels, agent.max_pixels)
     ids = tok.convert_tokens_to_ids
     cfg = tiny_config(

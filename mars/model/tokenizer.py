@@ -129,13 +129,16 @@ def _wrap(tok: Tokenizer, **extra) -> PreTrainedTokenizerFast:
 WORD_SPLIT = r"\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+"
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, pretokenizer: str = "words") -> PreTrainedTokenizerFast:
     """A byte-level BPE of at most ``vocab_size`` ids trained on ``texts`` (deterministic for the same texts).
 
     The 256 byte symbols are always in the vocabulary, so any string round-trips through encode/decode. Pieces
     are split by :data:`WORD_SPLIT` first; with a vocabulary large enough for the texts (the default world's ~1.2k
-    distinct words fit in 4096), every word that occurs twice becomes a single token.
+    distinct words fit in 4096), every word that occurs twice becomes a single token. ``pretokenizer="bytelevel"``
+    uses GPT-2/Qwen-style pieces instead (a leading space or symbol glued to a word).
     """
+    if pretokenizer not in ("words", "bytelevel"):
+        raise ValueError(f"pretokenizer must be 'words' or 'bytelevel', got {pretokenizer!r}")
     n_reserved = len(SPECIAL_TOKENS) + len(PROTOCOL_TOKENS)
     if vocab_size < n_reserved + 256:
         raise ValueError(f"vocab_size must be >= {n_reserved + 256}, got {vocab_size}")
@@ -143,7 +146,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedT
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(WORD_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    ]) if pretokenizer == "words" else pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -74,6 +74,11 @@ def test_a_word_has_the_same_ids_in_every_context():
     year = tok.encode("1987", add_special_tokens=False)
     assert tok.encode("in 1987", add_special_tokens=False)[-len(year):] == year
     assert tok.encode("<answer>1987", add_special_tokens=False)[-len(year):] == year
+    # the GPT-2/Qwen-style option glues the space to the word: two contexts, two different pieces
+    byte = train_tokenizer(corpus(), vocab_size=512, pretokenizer="bytelevel")
+    assert byte.encode("the guild", add_special_tokens=False)[-1] != byte.encode('"guild', add_special_tokens=False)[-1]
+    with pytest.raises(ValueError, match="pretokenizer"):
+        train_tokenizer(corpus(), vocab_size=512, pretokenizer="sentencepiece")
 
 
 def test_qwen_vocab_special_ids():

@@ -143,7 +143,14 @@ def test_index_probe_failure_keeps_previous_indexes(built, tmp_path):
 
 
 def test_cropping_is_necessary(built):
-    """At the policy's resolution the target is not identifiable; its full-resolution crop is."""
+    """Image search cannot identify the target from the policy's view of the whole scene; it can from a crop of the
+    framed cell's zone (the teacher's zoom) and from a tight crop of the emblem.
+
+    The region of the 224-px view around the target, cut out and upsampled, is no longer a negative: on the calm
+    zone the hand-built descriptor identifies most targets from it (measured 7/8 on this world; it was <= 4/8
+    with clutter around the target). A policy cannot make that call: image search takes a whole image, so it
+    has to zoom first (README, the embedded default world)."""
+    from mars.agent.oracle import zone_zoom_box
     from mars.tools.embedders import load_embedder
     from mars.tools.image_index import ImageIndex
     from mars.tools.imaging import policy_view
@@ -152,22 +159,23 @@ def test_cropping_is_necessary(built):
     idx = ImageIndex.load(tmp / "index/image", load_embedder("color_layout"))
     raw = {r["image_id"]: r for r in pq.read_table(tmp / "world/raw_images.parquet").to_pylist()}
     targets = [r for r in pq.read_table(tmp / "world/world_truth.parquet").to_pylist() if r["is_target"]]
-    crop_top1 = low_top1 = 0
+    crop_top1 = zone_top1 = view_top1 = 0
     for t in targets:
         with Image.open(tmp / "world/raw" / raw[t["image_id"]]["path"]) as im:
             scene = ImageOps.exif_transpose(im).convert("RGB")
         pad = (t["x1"] - t["x0"]) // 2
         box = (max(0, t["x0"] - pad), max(0, t["y0"] - pad), min(scene.width, t["x1"] + pad), min(scene.height, t["y1"] + pad))
-        crop = scene.crop(box)
+        z = zone_zoom_box(t)  # relative 0..1000, as the teacher sends it
+        zone = scene.crop((z[0] * scene.width // 1000, z[1] * scene.height // 1000,
+                           z[2] * scene.width // 1000, z[3] * scene.height // 1000))
         view = policy_view(scene, 56 * 56, 224 * 224)  # the default policy's view of the whole scene
-        sx, sy = view.width / scene.width, view.height / scene.height
-        low = view.crop((int(box[0] * sx), int(box[1] * sy), int(np.ceil(box[2] * sx)), int(np.ceil(box[3] * sy))))
-        low = low.resize(crop.size, Image.Resampling.BICUBIC)
-        crop_top1 += idx.search(crop, 1)[0].entity_id == t["entity_id"]
-        low_top1 += idx.search(low, 1)[0].entity_id == t["entity_id"]
+        crop_top1 += idx.search(scene.crop(box), 1)[0].entity_id == t["entity_id"]
+        zone_top1 += idx.search(policy_view(zone, 56 * 56, 224 * 224), 1)[0].entity_id == t["entity_id"]
+        view_top1 += idx.search(view, 1)[0].entity_id == t["entity_id"]
     n = len(targets)
     assert crop_top1 / n >= 0.85, (crop_top1, n)
-    assert low_top1 / n <= 0.5, (low_top1, n)
+    assert zone_top1 / n >= 0.6, (zone_top1, n)
+    assert view_top1 / n <= 0.25, (view_top1, n)
 
 
 def test_folder_source_runs_curation_on_real_photos(tmp_path):

@@ -176,6 +176,24 @@ def test_targets_lie_in_their_red_framed_cell_and_are_small(world) -> None:
         assert img[y0:y1, x0:x1].std() > 20
 
 
+def test_the_target_zone_is_calm_apart_from_the_target(world) -> None:
+    """No clutter reaches the target's zone: outside the emblem (with a margin), neighbouring pixels differ only by
+    the background's smooth gradient and the noise (amplitude <= 7), so a crop of the zone shows one object."""
+    tables, raw, _ = world
+    paths = {r["image_id"]: r["path"] for r in _rows(tables.raw_images)}
+    for t in (r for r in _rows(tables.world_truth) if r["is_target"]):
+        with Image.open(raw / paths[t["image_id"]]) as im:
+            img = np.asarray(ImageOps.exif_transpose(im).convert("RGB")).astype(int)
+        zx0, zy0, zx1, zy1 = zone_box(t["scene_width"], t["scene_height"], t["grid_rows"], t["grid_cols"],
+                                      t["cell_row"], t["cell_col"], t["target_zone"])
+        zone = img[zy0:zy1, zx0:zx1]
+        edges = np.abs(np.diff(zone, axis=1)).max(axis=2)  # [h, w-1] strongest channel step to the right
+        keep = np.ones_like(edges, dtype=bool)
+        pad = (t["x1"] - t["x0"]) // 4
+        keep[max(0, t["y0"] - zy0 - pad): t["y1"] - zy0 + pad, max(0, t["x0"] - zx0 - pad): t["x1"] - zx0 + pad] = False
+        assert (edges[keep] > 30).mean() < 0.001, t["scene_id"]
+
+
 def test_scene_sizes_formats_and_png_frame_is_pure_red(world) -> None:
     tables, raw, _ = world
     truth = {t["image_id"]: t for t in _rows(tables.world_truth) if t["is_target"]}

@@ -55,12 +55,12 @@ from mars.agent.oracle import (
 )
 from mars.agent.protocol import format_tool_call
 
-__all__ = ["teacher_policy", "titles_from_observation", "fact_from_observation"]
+__all__ = ["THINK", "teacher_policy", "titles_from_observation", "fact_from_observation"]
 
 _TITLE_SUFFIX = re.compile(r"\s+(logo|emblem|crest|insignia|badge)$")
 _YEAR = re.compile(r"\b(\d{4})\b")
 
-_THINK = {
+THINK = {  # the teacher's <think> wordings per step (also used by the drills of mars.synth)
     "zoom": (
         "The emblem inside the red frame is too small to see; zoom in on the framed region.",
         "I need a closer look at the middle of the red frame.",
@@ -172,12 +172,12 @@ def teacher_policy(
     # The plan is fixed up front (so the policy is a pure function of the turn number and the observations).
     wrong_zoom = qtype != "search" and rng.random() > skill
     wrong_query = qtype != "perception" and rng.random() > skill
-    picks = {k: int(rng.integers(len(v))) for k, v in _THINK.items()}
+    picks = {k: int(rng.integers(len(v))) for k, v in THINK.items()}
     wrong_box = _wrong_box(world, q, rng) if wrong_zoom else None
     keyword = FACT_KEYWORD.get(kind, kind)
 
     def think(key: str, **kw) -> str:
-        return _THINK[key][picks[key]].format(**kw)
+        return THINK[key][picks[key]].format(**kw)
 
     plan: list[str] = []
     if qtype in ("perception", "multi-hop"):

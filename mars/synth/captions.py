@@ -16,6 +16,16 @@ Deviation from the paper (and why)
     without this; README, SFT notes). The captions stand in for the base model's vision pre-training; they are off
     (``caption_examples: 0``) for a pretrained ``init_checkpoint``.
 
+Zoom captions
+    :func:`zoom_captions` writes the same kind of question about a NEW random emblem (one of no entity) shown as the
+    zoom tool shows the target: the central ``target_zone`` of a framed cell of a full-size scene, a calm smooth
+    background with the scene's noise, the emblem at the scene's scale (``emblem_frac`` of the short side), so the
+    vision tower learns to read an emblem at the size a zoom gives it (a gallery rendering fills its image; the
+    emblem in a zone crop covers a fraction of it). The crop is drawn directly (the zone is kept free of clutter by
+    the world, :func:`mars.world.scenes.draw_clutter`), so no 4K scene is rendered (0.2 s each). Measured
+    (README): 1,000 of them in phase 1 did not raise perception measurably (the first zoom, which they do not
+    teach, was at chance), so ``sft.pretrain_zoom_captions`` is 0 by default.
+
 How to run (Python)::
 
     dialogues = caption_dialogues(read_table(world / "gallery.parquet", GALLERY).to_pylist(),
@@ -33,9 +43,12 @@ import numpy as np
 from PIL import Image
 
 from mars.agent.protocol import format_answer
-from mars.world.questions import ATTRIBUTES, PERCEPTION_QUESTIONS, question_text
+from mars.agent.teacher import THINK
+from mars.world.emblems import random_emblem, render_emblem
+from mars.world.questions import ATTRIBUTES, FRAMED_SUBJECT, PERCEPTION_QUESTIONS, question_text
+from mars.world.scenes import SceneConfig, add_tiled_noise, background, scene_size, zone_box
 
-__all__ = ["CAPTION_SUBJECT", "caption_dialogues"]
+__all__ = ["CAPTION_SUBJECT", "caption_dialogues", "zoom_captions"]
 
 CAPTION_SUBJECT = "this emblem"
 _THINK = (
@@ -83,17 +96,7 @@ def caption_dialogues(
         if not order:
             order = [int(i) for i in rng.permutation(len(rows))]
         row = rows[order.pop()]
-        spec = specs[row["entity_id"]]
-        attrs = [a for a in ATTRIBUTES if spec.get(a) is not None]
-        attr = attrs[int(rng.integers(len(attrs)))]
-        answer = str(spec[attr])
-        base = PERCEPTION_QUESTIONS[attr].format(subject=CAPTION_SUBJECT)
-        mcq = bool(rng.random() < mcq_share)
-        text, choices, aliases = question_text(base, attr, answer, list(ATTRIBUTES[attr]), rng if mcq else None)
-        kind = "letter" if attr == "glyph" else attr
-        think = _THINK[int(rng.integers(len(_THINK)))].format(kind=kind, value=answer)
-        reply = format_answer(aliases[0], f"{think} That is option {aliases[0]}.") if choices else \
-            format_answer(answer, think)
+        text, reply = _attribute_qa(specs[row["entity_id"]], CAPTION_SUBJECT, _THINK, rng, mcq_share)
         path = row["path"]
         if path not in cache:
             try:
@@ -106,3 +109,50 @@ def caption_dialogues(
             {"role": "assistant", "content": reply},
         ])
     return out
+
+
+def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float = 0.5) -> list[list[dict]]:
+    """``n`` dialogues ``[user: a zone crop + perception question, assistant: the teacher's answer]`` about new random
+    emblems drawn at the scale of a zoom on ``scene``'s target zone (module docstring, "Zoom captions")."""
+    if n < 0:
+        raise ValueError(f"the number of zoom captions must be >= 0, got {n}")
+    if not 0.0 <= mcq_share <= 1.0:
+        raise ValueError(f"mcq_share must be in [0, 1], got {mcq_share}")
+    rng = np.random.default_rng([seed, 43])
+    out: list[list[dict]] = []
+    for _ in range(n):
+        w, h = scene_size(rng, scene.long_side_min, scene.long_side_max, scene.grid_rows, scene.grid_cols)
+        x0, y0, x1, y1 = zone_box(w, h, scene.grid_rows, scene.grid_cols, 0, 0, scene.target_zone)
+        zw, zh = x1 - x0, y1 - y0
+        # the scene's background is a few blotches across the whole scene: draw it small, crop the zone, upsample
+        k = 16
+        small = background(rng, max(1, w // k), max(1, h // k))
+        crop = small.crop((x0 // k, y0 // k, max(x0 // k + 1, x1 // k), max(y0 // k + 1, y1 // k)))
+        img = add_tiled_noise(crop.resize((zw, zh), Image.Resampling.BILINEAR), rng, int(rng.integers(2, 7)))
+        spec = random_emblem(rng)
+        size_px = max(12, int(round(scene.emblem_frac * min(w, h) * rng.uniform(0.85, 1.15))))
+        emblem = render_emblem(spec, size_px, float(rng.uniform(-20, 20)))
+        ex, ey = max(0, zw - emblem.width), max(0, zh - emblem.height)
+        img.paste(emblem, (int(rng.integers(0, ex + 1)), int(rng.integers(0, ey + 1))), emblem)
+        text, reply = _attribute_qa(spec, FRAMED_SUBJECT, THINK["answer_attr"], rng, mcq_share)
+        out.append([
+            {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": text}]},
+            {"role": "assistant", "content": reply},
+        ])
+    return out
+
+
+def _attribute_qa(spec: dict, subject: str, wordings: tuple[str, ...], rng: np.random.Generator, mcq_share: float
+                  ) -> tuple[str, str]:
+    """(question, reply) about one random attribute of an emblem ``spec``: open or multiple choice, the reply in
+    the protocol's final-turn format with one of ``wordings`` (``{kind}``, ``{value}``) as its thought."""
+    attrs = [a for a in ATTRIBUTES if spec.get(a) is not None]
+    attr = attrs[int(rng.integers(len(attrs)))]
+    answer = str(spec[attr])
+    base = PERCEPTION_QUESTIONS[attr].format(subject=subject)
+    mcq = bool(rng.random() < mcq_share)
+    text, choices, aliases = question_text(base, attr, answer, list(ATTRIBUTES[attr]), rng if mcq else None)
+    think = wordings[int(rng.integers(len(wordings)))].format(kind="letter" if attr == "glyph" else attr, value=answer)
+    if choices:
+        return text, format_answer(aliases[0], f"{think} That is option {aliases[0]}.")
+    return text, format_answer(answer, think)

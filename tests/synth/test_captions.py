@@ -76,3 +76,42 @@ def test_captions_are_seeded_and_fail_clearly(world):
         caption_dialogues(gallery, entities, root / "gallery", n=5, exclude_entities={e["entity_id"] for e in entities})
     with pytest.raises(ValueError, match=">= 0"):
         caption_dialogues(gallery, entities, root / "gallery", n=-1)
+
+
+def test_zoom_captions_show_a_new_emblem_at_the_zooms_scale():
+    from mars.synth.captions import zoom_captions
+    from mars.world.emblems import GLYPHS, PATTERNS, SHAPES
+    from mars.world.questions import FRAMED_SUBJECT
+
+    scene = WorldSpec().scene_config()
+    dialogues = zoom_captions(scene, n=30, seed=0)
+    assert len(dialogues) == 30
+    values = set(SHAPES) | set(PATTERNS) | set(GLYPHS)
+    formats = set()
+    for user, assistant in dialogues:
+        image, question = user["content"][0]["image"], user["content"][1]["text"]
+        assert FRAMED_SUBJECT in question
+        # the crop is the cell's central zone: 0.4 of half a side, for scenes of 2048-3840 px on the long side
+        assert 0.4 * 2048 / 2 - 1 <= max(image.size) <= 0.4 * 3840 / 2 + 1
+        turn = parse_turn(assistant["content"])
+        assert turn.well_formed and turn.action == "answer", assistant["content"]
+        if "\nA. " in question:
+            options = dict(line.split(". ", 1) for line in question.splitlines()[1:5])
+            assert options[turn.answer] in values
+            formats.add("mcq")
+        else:
+            assert turn.answer in values
+            formats.add("open")
+        # the emblem (0.05 of the scene's short side, +-15%) covers a few percent of the crop: pixels far from
+        # the smooth, slightly noisy background (noise <= 6 per channel) that fills the rest
+        a = np.asarray(image).astype(int)  # [H, W, 3]
+        bg = np.median(a.reshape(-1, 3), axis=0)
+        share = float((np.abs(a - bg).max(-1) > 60).mean())
+        assert 0.002 <= share <= 0.3, share
+    assert formats == {"mcq", "open"}
+    again = zoom_captions(scene, n=3, seed=0)
+    assert [np.asarray(d[0]["content"][0]["image"]).tobytes() for d in again] == \
+        [np.asarray(d[0]["content"][0]["image"]).tobytes() for d in dialogues[:3]]
+    assert zoom_captions(scene, n=0) == []
+    with pytest.raises(ValueError, match=">= 0"):
+        zoom_captions(scene, n=-2)

@@ -1,0 +1,109 @@
+"""Localisation drills: "zoom on the red frame" first turns over freshly drawn scenes (SFT pre-training).
+
+What it does
+    :func:`locate_dialogues` draws ``n`` new scenes with the world's scene generator
+    (:func:`mars.world.scenes.render_scene`, the world's grid, frame, clutter and target zone, random emblems that
+    belong to no entity) at about twice the policy's view, and writes one-turn dialogues: the user turn holds the
+    scene and a perception or multi-hop question (the synthesize stage's templates), the assistant turn is the
+    teacher's first move, ``image_zoom_in`` on the framed cell's target zone
+    (:func:`mars.agent.oracle.zone_zoom_box`) with one of the teacher's ``<think>`` wordings. Nothing after the
+    zoom is written: the drill teaches where to look, and the agentic trajectories teach the rest.
+
+Deviation from the paper (and why)
+    The paper's Qwen2.5-VL already localises a described region. The embedded default's vision tower is random-init
+    and the DESIGN.md section 3 notes measured that finding the framed cell takes 500-1,000 steps at batch 16, each
+    with a framed scene. The sft split has a few dozen scenes and a few hundred trajectories, and with the previous
+    defaults the SFT checkpoint's first zoom hit the framed cell at chance (24 of 80 test episodes against 20 by
+    chance; README). These drills are cheap (one 224-px view, a ~100-token dialogue; 7 ms to draw) and every one
+    draws a new scene, so the cue, not a scene, is what can be learned. They stand in for the base model's
+    grounding pre-training (``sft.pretrain_locate``; 0 for a pretrained ``init_checkpoint``).
+
+    Measured (README), they did NOT teach the framed cell in the budget: 1,000 drills in a 2,000-step phase 1
+    left the test zooms at chance (25 of 80), and 400 steps at batch 16 on 2,000 drills alone (views of any aspect,
+    or square 224-px views aligned with the merged-token grid) plateaued at the loss of a uniform 4-way guess.
+    So the default keeps them off; DESIGN.md's 500-step result was not reproduced with this world and model.
+
+How to run (Python)::
+
+    dialogues = locate_dialogues(WorldSpec().scene_config(), n=1000, seed=0, system=compact_system_prompt(schemas))
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mars.agent.oracle import zone_zoom_box
+from mars.agent.protocol import format_tool_call
+from mars.agent.teacher import THINK
+from mars.world.emblems import random_emblem
+from mars.world.questions import (ATTRIBUTES, FACT_QUESTIONS, FACTS, FRAMED_SUBJECT, MULTIHOP_SUBJECT,
+                                  PERCEPTION_QUESTIONS, question_text)
+from mars.world.scenes import SceneConfig, render_scene, scene_size
+
+__all__ = ["LOCATE_LONG_SIDE", "locate_dialogues", "located_cell"]
+
+LOCATE_LONG_SIDE = (448, 672)  # scenes are drawn at about twice the policy's 224-px view (a 4K scene costs 50x)
+_EMBLEM_POOL = 64  # random emblems the drawn scenes pick from (clutter for the cue; their identity is never asked)
+
+
+def locate_dialogues(
+    scene: SceneConfig,
+    *,
+    n: int,
+    seed: int = 0,
+    system: str | None = None,
+    mcq_share: float = 0.5,
+    perception_share: float = 0.5,
+    long_side: tuple[int, int] = LOCATE_LONG_SIDE,
+) -> list[list[dict]]:
+    """``n`` dialogues ``[system?, user: scene + question, assistant: the zoom call]``; see the module docstring.
+
+    ``scene``: the world's scene knobs (:meth:`mars.world.generate.WorldSpec.scene_config`); its long-side bounds
+    are replaced by ``long_side``. ``system``: the episodes' system prompt, so the drill's context matches theirs.
+    """
+    if n < 0:
+        raise ValueError(f"the number of localisation drills must be >= 0, got {n}")
+    if not (0.0 <= mcq_share <= 1.0 and 0.0 <= perception_share <= 1.0):
+        raise ValueError(f"mcq_share and perception_share must be in [0, 1], got {mcq_share}, {perception_share}")
+    if n == 0:
+        return []
+    rng = np.random.default_rng([seed, 41])
+    pool = [random_emblem(rng) for _ in range(max(_EMBLEM_POOL, scene.emblems_max))]
+    fact_pool = {"founded_year": [str(y) for y in range(1700, 2021)]}
+    out: list[list[dict]] = []
+    for _ in range(n):
+        size = scene_size(rng, long_side[0], long_side[1], scene.grid_rows, scene.grid_cols)
+        image, info = render_scene(rng, scene, pool, size=size)
+        mcq = bool(rng.random() < mcq_share)
+        if rng.random() < perception_share:
+            attr = list(ATTRIBUTES)[int(rng.integers(len(ATTRIBUTES)))]
+            values = list(ATTRIBUTES[attr])
+            base = PERCEPTION_QUESTIONS[attr].format(subject=FRAMED_SUBJECT)
+            text, _, _ = question_text(base, attr, values[int(rng.integers(len(values)))], values,
+                                       rng if mcq else None)
+        else:  # the options of a multi-hop question are never read before the zoom: years stand in for them
+            fact = FACTS[int(rng.integers(len(FACTS)))]
+            values = fact_pool["founded_year"]
+            base = FACT_QUESTIONS[fact].format(subject=MULTIHOP_SUBJECT)
+            text, _, _ = question_text(base, fact, values[int(rng.integers(len(values)))], values,
+                                       rng if mcq and fact == "founded_year" else None)
+        truth = {"scene_width": info.width, "scene_height": info.height, "grid_rows": info.grid_rows,
+                 "grid_cols": info.grid_cols, "cell_row": info.target_cell[0], "cell_col": info.target_cell[1],
+                 "target_zone": info.target_zone}
+        think = THINK["zoom"][int(rng.integers(len(THINK["zoom"])))]
+        reply = format_tool_call("image_zoom_in", {"bbox_2d": zone_zoom_box(truth), "label": "framed region",
+                                                   "img_idx": 0}, think)
+        dialogue = [{"role": "system", "content": system}] if system else []
+        dialogue += [
+            {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]},
+            {"role": "assistant", "content": reply},
+        ]
+        out.append(dialogue)
+    return out
+
+
+def located_cell(box: list[float], grid_rows: int, grid_cols: int) -> tuple[int, int]:
+    """The grid cell (row, col) holding the centre of a relative (0..1000) ``bbox_2d``: which cell a zoom chose."""
+    cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+    return (min(grid_rows - 1, max(0, int(cy * grid_rows // 1000))),
+            min(grid_cols - 1, max(0, int(cx * grid_cols // 1000))))

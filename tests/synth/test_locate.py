@@ -1,0 +1,76 @@
+"""Localisation drills: new scenes whose red frame lies in the cell the teacher's zoom chooses."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from mars.agent.protocol import parse_turn
+from mars.synth.locate import locate_dialogues, located_cell
+from mars.world.generate import WorldSpec
+from mars.world.scenes import CUE_COLOUR
+from mars.world.questions import FRAMED_SUBJECT, MULTIHOP_SUBJECT
+
+
+def _red_cell(image, rows: int, cols: int) -> tuple[int, int]:
+    """The grid cell holding most pure-red (cue) pixels of a drawn scene."""
+    a = np.asarray(image)
+    red = np.all(a == np.array(CUE_COLOUR, dtype=a.dtype), axis=-1)  # [H, W]
+    h, w = red.shape
+    counts = {(r, c): int(red[r * h // rows:(r + 1) * h // rows, c * w // cols:(c + 1) * w // cols].sum())
+              for r in range(rows) for c in range(cols)}
+    return max(counts, key=counts.get)
+
+
+def test_located_cell_maps_zoom_centres_to_cells():
+    # 2x2 grid on the 0..1000 grid: centre (250, 250) is the top-left cell, (750, 750) the bottom-right one,
+    # (750, 250) is row 0, column 1; the edge 1000 stays in the last cell
+    assert located_cell([149, 150, 351, 350], 2, 2) == (0, 0)
+    assert located_cell([650, 650, 850, 850], 2, 2) == (1, 1)
+    assert located_cell([650, 150, 850, 350], 2, 2) == (0, 1)
+    assert located_cell([900, 900, 1000, 1000], 2, 2) == (1, 1)
+    assert located_cell([0, 600, 300, 1000], 3, 3) == (2, 0)
+
+
+@pytest.mark.parametrize("rows,cols", [(2, 2), (3, 3)])
+def test_drills_zoom_on_the_framed_cell(rows, cols):
+    scene = WorldSpec(grid_rows=rows, grid_cols=cols).scene_config()
+    drills = locate_dialogues(scene, n=24, seed=0, system="SYSTEM")
+    assert len(drills) == 24
+    cells = Counter()
+    for system, user, assistant in drills:
+        assert system == {"role": "system", "content": "SYSTEM"}
+        image, question = user["content"][0]["image"], user["content"][1]["text"]
+        assert max(image.size) in range(448, 673) and min(image.size) >= 224
+        assert FRAMED_SUBJECT in question or MULTIHOP_SUBJECT in question
+        turn = parse_turn(assistant["content"])
+        assert turn.well_formed and turn.tool_name == "image_zoom_in", assistant["content"]
+        assert turn.arguments["img_idx"] == 0 and turn.arguments["label"] == "framed region"
+        box = turn.arguments["bbox_2d"]
+        cell = located_cell(box, rows, cols)
+        assert cell == _red_cell(image, rows, cols)
+        # the zoom is the cell's central target_zone share (0.4 by default): 1000/cols * 0.4 wide, up to a pixel of
+        # rounding at each end and the floor/ceil to the grid (one pixel of a 448-px side is 2.2 units): <= 8
+        assert abs((box[2] - box[0]) - 1000 / cols * scene.target_zone) <= 8
+        cells[cell] += 1
+    assert len(cells) >= min(4, rows * cols) - 1  # the framed cell varies (24 draws over 4 or 9 cells)
+    kinds = Counter(FRAMED_SUBJECT in u["content"][1]["text"] for _, u, _ in drills)
+    assert kinds[True] >= 4 and kinds[False] >= 4  # perception and multi-hop wordings both occur
+
+
+def test_drills_are_seeded_new_scenes_and_fail_clearly():
+    scene = WorldSpec().scene_config()
+    a = locate_dialogues(scene, n=4, seed=3)
+    b = locate_dialogues(scene, n=4, seed=3)
+    c = locate_dialogues(scene, n=4, seed=4)
+    pixels = lambda ds: [np.asarray(d[0]["content"][0]["image"]).tobytes() for d in ds]  # noqa: E731
+    assert pixels(a) == pixels(b) and pixels(a) != pixels(c)
+    assert len(set(pixels(a))) == 4  # every drill draws a new scene
+    assert a[0][0]["role"] == "user"  # no system prompt unless given
+    assert locate_dialogues(scene, n=0) == []
+    with pytest.raises(ValueError, match=">= 0"):
+        locate_dialogues(scene, n=-1)
+    with pytest.raises(ValueError, match="mcq_share"):
+        locate_dialogues(scene, n=1, mcq_share=1.5)

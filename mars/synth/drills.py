@@ -15,6 +15,14 @@ What it does
     Observations are wrapped exactly as in an episode (:func:`mars.agent.protocol.format_tool_response`), and the
     replies use the teacher's wording, so the circuits learned here are the ones the agentic trajectories use.
 
+    ``fresh_names`` (the default): every organisation word and founder name in a drill (observation, question,
+    options and reply alike) is replaced, consistently within the drill, by a freshly generated word
+    (:func:`mars.world.text.make_word`, the world's own syllables). Years, cities and kinds are kept. The copy
+    relations stay exact (the query still starts with the top title; the answer is still in the snippet), but no
+    name is ever seen twice, so the model cannot memorise name -> fact or name -> name and has to copy. Measured on
+    the default world (README): without it the SFT model wrote a plausible training name ("Eros Observatory" for
+    "Ecamtes Observatory") and copied 12 of 51 held-out titles despite a drill loss of 0.04.
+
 Deviation from the paper (and why)
     The paper's policy starts from an LLM that can already copy a name from its context. The embedded default's
     language model is random-init, and measured on the default world it did not learn to copy from ~700 teacher
@@ -31,6 +39,7 @@ How to run (Python)::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -41,6 +50,7 @@ from mars.agent.oracle import FACT_KEYWORD
 from mars.agent.protocol import format_answer, format_tool_call, format_tool_response
 from mars.agent.teacher import fact_from_observation, titles_from_observation
 from mars.world.questions import FACT_QUESTIONS, FACTS, SEARCH_SUBJECT, question_text
+from mars.world.text import make_word
 
 __all__ = ["drill_kind", "reading_drills"]
 
@@ -60,6 +70,7 @@ def reading_drills(
     exclude_entities: Iterable[str] = (),
     mcq_share: float = 0.5,
     title_share: float = 0.4,
+    fresh_names: bool = True,
 ) -> list[list[dict]]:
     """``n`` drill dialogues (``[user, assistant]``, text only); see the module docstring.
 
@@ -84,6 +95,7 @@ def reading_drills(
         renders.setdefault(r["entity_id"], []).append(r["path"])
     root = Path(gallery_dir)
     rng = np.random.default_rng([seed, 37])
+    rename = _Renamer(entities, np.random.default_rng([seed, 38])) if fresh_names else None
     out: list[list[dict]] = []
     attempts = 0
     while len(out) < n:
@@ -107,7 +119,7 @@ def reading_drills(
             text, _, _ = question_text(base, fact, str(ent[fact]), pools[fact], rng if mcq else None)
             reply = format_tool_call("text_search", {"query": f"{titles[0]} {keyword}"},
                                      f"Top match: {titles[0]}. Search the text for it.")
-            out.append([_user(obs.text, text), {"role": "assistant", "content": reply}])
+            out.append(_dialogue(obs.text, text, reply, rename))
             continue
         name = ent["name"]
         obs = toolbox.call("text_search", {"query": f"{name} {keyword}"}, [])
@@ -119,8 +131,49 @@ def reading_drills(
         think = f"The snippet about {name} gives {value}."
         reply = format_answer(aliases[0], f"{think} That is option {aliases[0]}.") if choices else \
             format_answer(value, think)
-        out.append([_user(obs.text, text), {"role": "assistant", "content": reply}])
+        out.append(_dialogue(obs.text, text, reply, rename))
     return out
+
+
+class _Renamer:
+    """Replaces the world's organisation words and founder names in a drill by fresh words (module docstring)."""
+
+    def __init__(self, entities: list[dict], rng: np.random.Generator):
+        words = set()
+        for e in entities:
+            kind = str(e.get("kind", ""))
+            name = str(e["name"])
+            words.add(name[: -len(kind) - 1] if kind and name.lower().endswith(" " + kind.lower()) else name)
+            words.update(str(e.get("founder", "")).split())
+        words.discard("")
+        self.known = words
+        self.rng = rng
+        alternation = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+        self.pattern = re.compile(rf"\b(?:{alternation})\b")
+
+    def fresh(self, used: set[str]) -> str:
+        while True:
+            w = make_word(self.rng)
+            if w not in self.known and w not in used:
+                used.add(w)
+                return w
+
+    def __call__(self, texts: list[str]) -> list[str]:
+        table: dict[str, str] = {}
+        used: set[str] = set()
+
+        def sub(m: re.Match) -> str:
+            if m.group(0) not in table:
+                table[m.group(0)] = self.fresh(used)
+            return table[m.group(0)]
+
+        return [self.pattern.sub(sub, t) for t in texts]
+
+
+def _dialogue(observation: str, question: str, reply: str, rename: _Renamer | None) -> list[dict]:
+    if rename is not None:
+        observation, question, reply = rename([observation, question, reply])
+    return [_user(observation, question), {"role": "assistant", "content": reply}]
 
 
 def drill_kind(dialogue: list[dict]) -> str:

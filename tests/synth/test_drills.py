@@ -22,7 +22,7 @@ def test_drills_copy_from_real_observations(smoke):  # noqa: F811
     entities = {e["entity_id"]: e for e in smoke["tables"].entities.to_pylist()}
     real = sorted(e for e, r in entities.items() if not r["is_distractor"])
     held_out = set(real[:3])
-    drills = reading_drills(**_args(smoke, n=40, seed=0, exclude_entities=held_out))
+    drills = reading_drills(**_args(smoke, n=40, seed=0, exclude_entities=held_out, fresh_names=False))
     assert len(drills) == 40
     kinds = [drill_kind(d) for d in drills]
     assert 5 <= kinds.count("title") <= 30 and kinds.count("fact") >= 5
@@ -60,3 +60,32 @@ def test_drills_are_seeded_and_fail_clearly(smoke):  # noqa: F811
         reading_drills(**_args(smoke, n=3, exclude_entities=every))
     with pytest.raises(ValueError, match=">= 0"):
         reading_drills(**_args(smoke, n=-1))
+
+
+def test_fresh_names_keep_the_copy_exact_and_never_repeat(smoke):  # noqa: F811
+    entities = smoke["tables"].entities.to_pylist()
+    words = {w for e in entities for w in (e["name"].split()[:-1] + e["founder"].split())}
+    plain = reading_drills(**_args(smoke, n=30, seed=5, fresh_names=False))
+    fresh = reading_drills(**_args(smoke, n=30, seed=5))
+    assert [drill_kind(d) for d in plain] == [drill_kind(d) for d in fresh]  # the same drills, renamed
+    seen_names = []
+    for (p_user, p_reply), (user, assistant) in zip(plain, fresh):
+        text = user["content"][0]["text"]
+        observation, question = text.split("\n</tool_response>\n")
+        tokens = set(text.replace("\n", " ").split()) | set(assistant["content"].split())
+        assert not tokens & words, tokens & words  # no organisation word or founder name of the world is left
+        turn = parse_turn(assistant["content"])
+        assert turn.well_formed, assistant["content"]
+        if turn.action == "tool_call":
+            top = titles_from_observation(observation)[0]
+            assert turn.arguments["query"].startswith(top + " ")
+            assert top not in {e["name"] for e in entities}
+            seen_names.append(top)
+        else:
+            value = turn.answer
+            if "\nA. " in question:
+                value = dict(line.split(". ", 1) for line in question.splitlines()[1:5])[turn.answer]
+            assert value in observation
+        # the renaming is a word-for-word substitution: same layout, same years and cities
+        assert len(text.split()) == len(p_user["content"][0]["text"].split())
+    assert len(set(seen_names)) == len(seen_names)  # a fresh name per drill

@@ -13,10 +13,15 @@ What it does
     3. Pre-training phase (``pretrain_steps`` > 0; the embedded default): ``pretrain_steps`` steps on gallery
        captions (:mod:`mars.synth.captions`: an emblem's shape, letter or pattern) and text-only reading drills
        over real tool outputs (:mod:`mars.synth.drills`: copy a fact from a snippet, copy the top image-search
-       title into a query), about entities of no test question. These stand in for the base model's pre-training
-       (a random-init tiny model cannot read emblems or copy names from its context, and the multimodal
-       trajectories are too costly per step to teach it); checkpoints in ``--checkpoints``/pretrain.
-    4. Training (:func:`mars.train.sft.train_sft`): assistant-token loss, per-module learning rates, warm-up and
+       title into a query), about entities of no test question, and localisation drills (:mod:`mars.synth.locate`:
+       the first zoom on freshly drawn scenes with the world's grid and frame; ``pretrain_locate``) and zoom
+       captions (:func:`mars.synth.captions.zoom_captions`: read a new emblem at a zoom's scale). These stand in
+       for the base model's pre-training (a random-init tiny model cannot read emblems or copy names from its
+       context, and the multimodal trajectories are too costly per step to teach it); checkpoints in
+       ``--checkpoints``/pretrain.
+    4. Training on the teacher trajectories, with a seeded ``mix_pretrain`` share of phase 1's examples mixed in
+       (without them the agentic phase overwrote the copy skill phase 1 taught; README)
+       (:func:`mars.train.sft.train_sft`): assistant-token loss, per-module learning rates, warm-up and
        schedule, clipping, accumulation, optional DeepSpeed ZeRO-2/3, checkpoints every ``checkpoint_every``
        steps into ``--checkpoints`` (kept by DVC across runs: a killed ``dvc repro`` resumes from the newest
        one), curves with dvclive in ``--live``. The final model is saved as ``model/``, a self-contained HF
@@ -39,6 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -47,6 +53,7 @@ from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import QUESTIONS
 from mars.stage import load_section, stage_args, write_metrics
+from mars.world.scenes import SceneConfig
 
 SECTION = "sft"
 TEACHER_CHUNK = 64  # teacher episodes played at once (bounds the memory of full-resolution scenes)
@@ -63,9 +70,12 @@ class Params:
     pretrain_steps: int = 0  # phase 1: steps on gallery captions + reading drills (0 = no pre-training phase)
     pretrain_captions: int = 0  # gallery-caption dialogues (mars.synth.captions)
     pretrain_drills: int = 0  # text-only reading drills over real tool outputs (mars.synth.drills)
+    pretrain_locate: int = 0  # localisation drills: zoom on the red frame of a freshly drawn scene (mars.synth.locate)
+    pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
+    mix_pretrain: float = 0.0  # share of phase 2's examples drawn from phase 1's data (so its skills are kept)
     tokenizer: str = "local"  # local | qwen
     pretokenizer: str = "words"  # local tokenizer: words (split from spaces and punctuation) | bytelevel (GPT-2 style)
-    vocab_size: int = 6144
+    vocab_size: int = 1024
     init_checkpoint: str = ""  # a local HF checkpoint directory instead of the tiny random-init model
     text_hidden: int = 128
     text_layers: int = 3
@@ -77,7 +87,7 @@ class Params:
     rope_theta: float = 10000.0
     batch_size: int = 16
     grad_accum: int = 1
-    max_steps: int = 400
+    max_steps: int = 350
     lr: float = 2e-3
     vision_lr: float = 1e-2
     weight_decay: float = 0.0
@@ -89,7 +99,7 @@ class Params:
     deepspeed_stage: int = 0
     precision: str = "fp32"
     checkpoint_every: int = 50
-    max_len: int = 1024
+    max_len: int = 1536
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -103,10 +113,15 @@ class Params:
             raise ValueError(f"sft.tokenizer must be 'local' or 'qwen', got {self.tokenizer!r}")
         if self.n_trajectories < 1:
             raise ValueError(f"sft.n_trajectories must be >= 1, got {self.n_trajectories}")
-        if min(self.pretrain_steps, self.pretrain_captions, self.pretrain_drills) < 0:
-            raise ValueError("sft.pretrain_steps, pretrain_captions and pretrain_drills must be >= 0")
-        if self.pretrain_steps and not (self.pretrain_captions or self.pretrain_drills):
-            raise ValueError("sft.pretrain_steps > 0 needs pretrain_captions or pretrain_drills > 0")
+        counts = {k: getattr(self, k) for k in ("pretrain_captions", "pretrain_drills", "pretrain_locate",
+                                                 "pretrain_zoom_captions")}
+        for k, v in {"pretrain_steps": self.pretrain_steps, **counts}.items():
+            if v < 0:
+                raise ValueError(f"sft.{k} must be >= 0, got {v}")
+        if not 0.0 <= self.mix_pretrain < 1.0:
+            raise ValueError(f"sft.mix_pretrain must be in [0, 1), got {self.mix_pretrain}")
+        if self.pretrain_steps and not any(counts.values()):
+            raise ValueError(f"sft.pretrain_steps > 0 needs one of {', '.join(counts)} > 0")
         self.train_config()  # validates the training knobs
 
     def train_config(self, max_steps: int | None = None):
@@ -174,14 +189,20 @@ def tokenizer_texts(world_dir: Path, questions: list[dict], trajs: list, system:
 
 
 def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path,
-                       all_questions: list[dict]) -> list[list[dict]]:
-    """The pre-training phase's data: ``pretrain_captions`` gallery captions (:mod:`mars.synth.captions`) and
-    ``pretrain_drills`` reading drills (:mod:`mars.synth.drills`), never about an entity of a test question."""
+                       all_questions: list[dict], scene: SceneConfig | None = None, system: str | None = None
+                       ) -> list[list[dict]]:
+    """The pre-training phase's data: ``pretrain_captions`` gallery captions (:mod:`mars.synth.captions`),
+    ``pretrain_drills`` reading drills (:mod:`mars.synth.drills`), never about an entity of a test question,
+    ``pretrain_locate`` localisation drills on new scenes drawn with the world's ``scene`` knobs
+    (:mod:`mars.synth.locate`, with the episodes' ``system`` prompt) and ``pretrain_zoom_captions`` new emblems at
+    a zoom's scale (:func:`mars.synth.captions.zoom_captions`)."""
     if params.pretrain_steps == 0:
         return []
+    _check_scene(params, scene)
     from mars.data.schemas import ENTITIES, GALLERY
-    from mars.synth.captions import caption_dialogues
+    from mars.synth.captions import caption_dialogues, zoom_captions
     from mars.synth.drills import reading_drills
+    from mars.synth.locate import locate_dialogues
 
     held_out = {q["entity_id"] for q in all_questions if q["split"] == "test" and q.get("entity_id")}
     gallery = read_table(world_dir / "gallery.parquet", GALLERY).to_pylist()
@@ -190,7 +211,17 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
                                  seed=params.seed, exclude_entities=held_out)
     drills = reading_drills(agent.toolbox(index_dir, world_dir / "gallery"), entities, gallery, world_dir / "gallery",
                             n=params.pretrain_drills, seed=params.seed, exclude_entities=held_out)
-    return captions + drills
+    if scene is None:
+        return captions + drills
+    return (captions + drills + locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system)
+            + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed))
+
+
+def _check_scene(params: Params, scene: SceneConfig | None) -> None:
+    if params.pretrain_steps and (params.pretrain_locate or params.pretrain_zoom_captions) and scene is None:
+        raise ValueError("sft.pretrain_locate or pretrain_zoom_captions > 0 needs the world's scene knobs (the "
+                         "world params section); run the stage through `python -m stages.sft` or pass "
+                         "scene=WorldSpec(...).scene_config()")
 
 
 def build_stack(params: Params, agent: AgentParams, texts: list[str]):
@@ -220,7 +251,10 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
+def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: dict[str, Path],
+        scene: SceneConfig | None = None) -> dict:
+    """The stage (module docstring); ``scene``: the world's scene knobs (``pretrain_locate``,
+    ``pretrain_zoom_captions``)."""
     from mars.agent.engine import trajectories_table
     from mars.agent.protocol import compact_system_prompt, system_prompt
     from mars.model.build import count_params, save_checkpoint
@@ -229,6 +263,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.train.data import render_examples
     from mars.train.sft import train_sft
 
+    _check_scene(params, scene)  # before the teacher's minutes
     torch.set_num_threads(max(1, torch.get_num_threads()))
     all_questions = read_table(inputs["questions"], QUESTIONS).to_pylist()
     questions = [q for q in all_questions if q["split"] == "sft"]
@@ -236,13 +271,14 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         raise RuntimeError(f"{inputs['questions']}: no questions in the sft split; check the synthesize params")
     trajs, stats = teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
                                         inputs["index_dir"])
-    pretrain = pretrain_dialogues(params, agent, inputs["world_dir"], inputs["index_dir"], all_questions)
     system = (system_prompt if agent.prompt == "full" else compact_system_prompt)(TOOL_SCHEMAS)
+    pretrain = pretrain_dialogues(params, agent, inputs["world_dir"], inputs["index_dir"], all_questions, scene, system)
     model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
     examples = render_examples([t.messages for t in trajs], proc, params.max_len, desc="rendering trajectories")
     _check_masks(examples, tok)
     fp = fingerprint(params, agent, _file_hash(inputs["questions"]), len(examples))
     pre_stats: dict = {}
+    mixed: list = []
     with atomic_dir(outputs["out"]) as out:
         write_artifacts({out / "trajectories.parquet": (trajectories_table(trajs), "trajectories")})
         save_checkpoint(model, tok, proc, out / "base")
@@ -254,16 +290,25 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                             fp=fingerprint(fp, "pretrain", len(pre_examples)))
             pre_stats = {"pretrain_examples": len(pre_examples), "pretrain_loss_first": pre["loss_first"],
                          "pretrain_loss_final": pre["loss_final"], "pretrain_tokens_per_s": pre["tokens_per_s"]}
-        summary = train_sft(model, examples, params.train_config(), pad_id=tok.pad_token_id,
+            mixed = _mix(pre_examples, len(examples), params.mix_pretrain, params.seed)
+            del pre_examples, pretrain  # the pixels of what is not mixed in are not needed in phase 2
+        summary = train_sft(model, examples + mixed, params.train_config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"], live_dir=outputs["live"], fp=fp)
         if not all(torch.isfinite(torch.tensor([l for _, l in summary["history"]]))):
             raise RuntimeError("SFT loss became NaN/inf; lower sft.lr or sft.vision_lr")
         save_checkpoint(model, tok, proc, out / "model")
     metrics = {**stats, **{k: v for k, v in summary.items() if k != "history"}, "params": count_params(model),
-               "examples": len(examples), **pre_stats}
+               "examples": len(examples), "mixed_pretrain_examples": len(mixed), **pre_stats}
     log.info("sft: %s", metrics)
     write_metrics(outputs["metrics"], metrics)
     return metrics
+
+
+def _mix(pre_examples: list, n_trajectories: int, share: float, seed: int) -> list:
+    """A seeded draw of phase-1 examples making up ``share`` of phase 2's examples (with ``n_trajectories``)."""
+    k = min(len(pre_examples), round(share / (1.0 - share) * n_trajectories)) if share > 0 else 0
+    pick = np.random.default_rng([seed, 53]).permutation(len(pre_examples))[:k]
+    return [pre_examples[int(i)] for i in sorted(pick)]
 
 
 def _check_masks(examples, tok) -> None:
@@ -282,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         outputs=("out", "checkpoints", "live", "metrics"),
     )
     agent = load_section("agent", AgentParams, argv)
-    run(params, agent, inputs, outputs)
+    from stages.world import Params as WorldParams, world_spec
+
+    run(params, agent, inputs, outputs, scene=world_spec(load_section("world", WorldParams, argv)).scene_config())
     return 0
 
 

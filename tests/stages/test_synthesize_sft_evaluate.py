@@ -273,17 +273,32 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
+def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
+    b = built
+    p = write_params(tmp_path, "loc", profile={"sft": {"pretrain_steps": 2, "pretrain_locate": 2}})
+    params = load_params("sft", sft.Params, p)
+    outs = {"out": tmp_path / "out", "checkpoints": tmp_path / "ckpt", "live": tmp_path / "live",
+            "metrics": tmp_path / "m.json"}
+    with pytest.raises(ValueError, match="scene knobs"):
+        sft.run(params, b.agent, b.sft_in, outs)  # no scene: nothing is trained or written
+    assert not (tmp_path / "out").exists() and not (tmp_path / "m.json").exists()
+    with pytest.raises(ValueError, match="sft.pretrain_locate must be >= 0"):
+        load_params("sft", sft.Params, write_params(tmp_path, "neg", profile={"sft": {"pretrain_locate": -1}}))
+
+
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
-    """A short run (8 pre-training steps on captions and reading drills, then 16 steps, a checkpoint every 4):
-    SIGKILLed once a checkpoint of the second phase exists, rerun, and compared with an uninterrupted in-process run
-    of the same params (a short run keeps this test cheap)."""
+    """A short run (8 pre-training steps on captions, zoom captions, reading and localisation drills, then 16 steps,
+    a checkpoint every 4): SIGKILLed once a checkpoint of the second phase exists, rerun, and compared with an
+    uninterrupted in-process run of the same params (a short run keeps this test cheap)."""
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
-             "pretrain_drills": 16}
+             "pretrain_drills": 16, "pretrain_locate": 4, "pretrain_zoom_captions": 4, "mix_pretrain": 0.25}
     params = write_params(tmp_path, "short", profile={"sft": short})
     fp = load_params("sft", sft.Params, params)
+    scene = world.world_spec(load_params("world", world.Params, params)).scene_config()  # as the CLI reads it
     straight_m = sft.run(fp, b.agent, b.sft_in, {"out": tmp_path / "ref/out", "checkpoints": tmp_path / "ref/ckpt",
-                                                 "live": tmp_path / "ref/live", "metrics": tmp_path / "ref/m.json"})
+                                                 "live": tmp_path / "ref/live", "metrics": tmp_path / "ref/m.json"},
+                         scene=scene)
     root = tmp_path / "killed"
     cmd = _sft_cmd(b, params, root)
     proc = subprocess.Popen(cmd, cwd=REPO, env=sub_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -301,7 +316,9 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     assert m["loss_final"] == pytest.approx(straight_m["loss_final"], abs=1e-5)
     # the pre-training phase ran first on every example it was given, and the rerun restored it from its own
     # checkpoints instead of training it again
-    assert m["pretrain_examples"] == straight_m["pretrain_examples"] == 24
+    assert m["pretrain_examples"] == straight_m["pretrain_examples"] == 32
+    # phase 2 mixes in a quarter of phase-1 examples: one per three trajectories, the same draw after the resume
+    assert m["mixed_pretrain_examples"] == straight_m["mixed_pretrain_examples"] == round(m["examples"] / 3)
     assert m["pretrain_loss_final"] == pytest.approx(straight_m["pretrain_loss_final"], abs=1e-6)
     assert (ckpt / "pretrain" / f"step-{fp.pretrain_steps:06d}").is_dir()
     with (root / "live/plots/metrics/train/loss.tsv").open() as f:

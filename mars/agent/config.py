@@ -25,8 +25,8 @@ __all__ = ["AgentParams"]
 @dataclass(frozen=True)
 class AgentParams:
     max_turns: int = 6
-    max_new_tokens_per_turn: int = 96
-    max_total_tokens: int = 256
+    max_new_tokens_per_turn: int = 128
+    max_total_tokens: int = 384
     min_pixels: int = 56 * 56  # the policy's view of each image (Qwen smart_resize bounds)
     max_pixels: int = 224 * 224
     prompt: str = "compact"  # full | compact

@@ -21,7 +21,7 @@ What it does
     relations stay exact (the query still starts with the top title; the answer is still in the snippet), but no
     name is ever seen twice, so the model cannot memorise name -> fact or name -> name and has to copy. Measured on
     the default world (README): without it the SFT model wrote a plausible training name ("Eros Observatory" for
-    "Ecamtes Observatory") and copied 12 of 51 held-out titles despite a drill loss of 0.04.
+    "Ecamtes Observatory") and copied 12 of 51 held-out titles despite a drill loss of 0.03.
 
 Deviation from the paper (and why)
     The paper's policy starts from an LLM that can already copy a name from its context. The embedded default's

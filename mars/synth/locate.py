@@ -70,7 +70,7 @@ def locate_dialogues(
         return []
     rng = np.random.default_rng([seed, 41])
     pool = [random_emblem(rng) for _ in range(max(_EMBLEM_POOL, scene.emblems_max))]
-    fact_pool = {"founded_year": [str(y) for y in range(1700, 2021)]}
+    years = [str(y) for y in range(1700, 2021)]
     out: list[list[dict]] = []
     for _ in range(n):
         size = scene_size(rng, long_side[0], long_side[1], scene.grid_rows, scene.grid_cols)
@@ -84,7 +84,7 @@ def locate_dialogues(
                                        rng if mcq else None)
         else:  # the options of a multi-hop question are never read before the zoom: years stand in for them
             fact = FACTS[int(rng.integers(len(FACTS)))]
-            values = fact_pool["founded_year"]
+            values = years
             base = FACT_QUESTIONS[fact].format(subject=MULTIHOP_SUBJECT)
             text, _, _ = question_text(base, fact, values[int(rng.integers(len(values)))], values,
                                        rng if mcq and fact == "founded_year" else None)

@@ -157,6 +157,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                     from mars.model.build import load_checkpoint
 
                     m, _, proc = load_checkpoint(path)
+                    agent.check_processor(proc, str(path))
                     return HFBackend(m, proc)
                 hook = None
             else:

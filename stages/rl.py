@@ -129,6 +129,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                            f"({params.prompts_per_step}); raise synthesize.rl_per_type")
     sft_dir = inputs["sft"] / "model"
     model, tok, proc = load_checkpoint(sft_dir)
+    agent.check_processor(proc, str(sft_dir))
     toolbox = agent.toolbox(inputs["index_dir"], inputs["world_dir"] / "gallery")
     weights_hash = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(sft_dir.glob("*.safetensors")))).hexdigest()
     fp = fingerprint(params, agent, weights_hash[:16], [q["question_id"] for q in questions])

@@ -6,8 +6,9 @@ What it does
        params section), or ``teacher: openai`` uses any OpenAI-compatible endpoint. Only episodes the judge marks
        correct and well formed are kept (rejection sampling), at most ``n_trajectories`` of them (the paper's cold
        start is small: few trajectories, so RL has headroom). Written to ``trajectories.parquet``.
-    2. The model: ``init_checkpoint`` (a local Qwen2.5-VL directory, e.g. Qwen2.5-VL-7B) or, by default, a tiny
-       random-init Qwen2.5-VL built from the ``text_*`` / ``vision_*`` params, with a tokenizer trained on the
+    2. The model: ``init_checkpoint`` (a local Qwen2.5-VL or Qwen3-VL directory, e.g. Qwen2.5-VL-7B) or, by
+       default, a tiny random-init Qwen2.5-VL (``arch: qwen3_vl``: Qwen3-VL, which needs ``agent.factor: 32``)
+       built from the ``text_*`` / ``vision_*`` params, with a tokenizer trained on the
        world's text and the protocol (``tokenizer: local``) or the real Qwen2/2.5 vocabulary (``qwen``). The
        untrained model is saved as ``base/`` (the evaluate stage's "untrained" row).
     3. Pre-training phase (``pretrain_steps`` > 0; the embedded default): ``pretrain_steps`` steps on gallery
@@ -77,6 +78,7 @@ class Params:
     pretokenizer: str = "words"  # local tokenizer: words (split from spaces and punctuation) | bytelevel (GPT-2 style)
     vocab_size: int = 1024
     init_checkpoint: str = ""  # a local HF checkpoint directory instead of the tiny random-init model
+    arch: str = "qwen2_5_vl"  # the tiny model's architecture: qwen2_5_vl | qwen3_vl (mars.model.build)
     text_hidden: int = 128
     text_layers: int = 3
     heads: int = 4
@@ -89,7 +91,7 @@ class Params:
     grad_accum: int = 1
     max_steps: int = 350
     lr: float = 2e-3
-    vision_lr: float = 1e-2
+    vision_lr: float = 2e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
     schedule: str = "cosine"
@@ -111,6 +113,8 @@ class Params:
             raise ValueError(f"sft.pretokenizer must be 'words' or 'bytelevel', got {self.pretokenizer!r}")
         if self.tokenizer not in ("local", "qwen"):
             raise ValueError(f"sft.tokenizer must be 'local' or 'qwen', got {self.tokenizer!r}")
+        if self.arch not in ("qwen2_5_vl", "qwen3_vl"):
+            raise ValueError(f"sft.arch must be 'qwen2_5_vl' or 'qwen3_vl', got {self.arch!r}")
         if self.n_trajectories < 1:
             raise ValueError(f"sft.n_trajectories must be >= 1, got {self.n_trajectories}")
         counts = {k: getattr(self, k) for k in ("pretrain_captions", "pretrain_drills", "pretrain_locate",
@@ -224,6 +228,15 @@ def _check_scene(params: Params, scene: SceneConfig | None) -> None:
                          "scene=WorldSpec(...).scene_config()")
 
 
+def _check_arch(params: Params, agent: AgentParams) -> None:
+    from mars.model.processor import PATCH_SIZE
+
+    side = PATCH_SIZE[params.arch] * 2  # patch x merge
+    if not params.init_checkpoint and side != agent.factor:
+        raise ValueError(f"sft.arch={params.arch} makes {side}-px image tokens but agent.factor is {agent.factor}; "
+                         f"set agent.factor: {side} in params.yaml")
+
+
 def build_stack(params: Params, agent: AgentParams, texts: list[str]):
     """(model, tokenizer, processor): the init checkpoint, or the tiny model with its tokenizer."""
     from mars.model.build import build_model, load_checkpoint, tiny_config
@@ -232,13 +245,14 @@ def build_stack(params: Params, agent: AgentParams, texts: list[str]):
 
     if params.init_checkpoint:
         model, tok, proc = load_checkpoint(params.init_checkpoint)
+        agent.check_processor(proc, params.init_checkpoint)
         return model, tok, proc
     tok = (train_tokenizer(texts, vocab_size=params.vocab_size, pretokenizer=params.pretokenizer)
            if params.tokenizer == "local" else load_qwen_vocab())
-    proc = build_processor(tok, agent.min_pixels, agent.max_pixels)
+    proc = build_processor(tok, agent.min_pixels, agent.max_pixels, arch=params.arch)
     ids = tok.convert_tokens_to_ids
     cfg = tiny_config(
-        len(tok), text_hidden=params.text_hidden, text_layers=params.text_layers, heads=params.heads,
+        len(tok), arch=params.arch, text_hidden=params.text_hidden, text_layers=params.text_layers, heads=params.heads,
         kv_heads=params.kv_heads, vision_hidden=params.vision_hidden, vision_layers=params.vision_layers,
         rope_theta=params.rope_theta, window_size=params.vision_window, image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
@@ -264,6 +278,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.train.sft import train_sft
 
     _check_scene(params, scene)  # before the teacher's minutes
+    _check_arch(params, agent)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     all_questions = read_table(inputs["questions"], QUESTIONS).to_pylist()
     questions = [q for q in all_questions if q["split"] == "sft"]

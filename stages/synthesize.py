@@ -171,6 +171,7 @@ def mine(params: Params, agent: AgentParams, rows: list[dict], out: Path, index_
     from mars.synth.mining import keep_band, pass_rates
 
     model, _, processor = load_checkpoint(params.mine_checkpoint)
+    agent.check_processor(processor, params.mine_checkpoint)
     toolbox = agent.toolbox(index_dir, world_dir / "gallery")
     cfg = agent.engine(temperature=params.mine_temperature)
     target = [r for r in rows if r["split"] in params.mine_splits]

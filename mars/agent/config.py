@@ -29,6 +29,7 @@ class AgentParams:
     max_total_tokens: int = 384
     min_pixels: int = 56 * 56  # the policy's view of each image (Qwen smart_resize bounds)
     max_pixels: int = 224 * 224
+    factor: int = 28  # image sides are multiples of the model's patch x merge: Qwen2.5-VL 28, Qwen3-VL 32
     prompt: str = "compact"  # full | compact
     tool_image0: str = "original"  # original | shown: what zoom crops for image 0
     lenient: bool = False
@@ -50,6 +51,16 @@ class AgentParams:
         self.tools()
         RewardWeights(answer=self.reward_answer, format=self.reward_format)
 
+    def check_processor(self, processor, where: str) -> None:
+        """Raise unless the model's processor cuts images into ``factor``-px merged tokens (patch x merge), so the
+        views and crops the tools make are the sizes the model sees (a Qwen3-VL model needs ``agent.factor: 32``)."""
+        ip = processor.image_processor
+        got = int(ip.patch_size) * int(ip.merge_size)
+        if got != self.factor:
+            raise ValueError(f"{where}: the model's processor uses {ip.patch_size}-px patches merged {ip.merge_size}x"
+                             f"{ip.merge_size} ({got} px per token side), but agent.factor is {self.factor}; set "
+                             f"agent.factor: {got} in params.yaml")
+
     def engine(self, temperature: float = 0.0, top_p: float = 1.0) -> EngineConfig:
         return EngineConfig(
             max_turns=self.max_turns,
@@ -60,6 +71,7 @@ class AgentParams:
             tool_workers=self.tool_workers,
             min_pixels=self.min_pixels,
             max_pixels=self.max_pixels,
+            factor=self.factor,
             lenient=self.lenient,
             tool_image0=self.tool_image0,
             prompt=self.prompt,
@@ -70,6 +82,7 @@ class AgentParams:
 
         return ToolConfig(
             coords=self.coords,
+            factor=self.factor,
             min_pixels=self.zoom_min_pixels,
             max_pixels=self.zoom_max_pixels,
             text_k=self.text_k,

@@ -141,13 +141,14 @@ class EngineConfig:
     tool_workers: int = 8
     min_pixels: int = 56 * 56
     max_pixels: int = 224 * 224
+    factor: int = 28  # view sides are multiples of this: the model's patch x merge (Qwen2.5-VL 28, Qwen3-VL 32)
     lenient: bool = False
     tool_image0: str = "original"  # "original" | "shown"
     prompt: str = "full"  # "full" (the reference's) | "compact" (short, tiny models) | "direct" (no tools)
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_new_tokens_per_turn", "max_total_tokens", "tool_workers", "min_pixels",
-                     "max_pixels"):
+                     "max_pixels", "factor"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
@@ -294,7 +295,7 @@ def _count_tokens(g: Generation) -> int:
 
 def _start(i: int, q: dict, sys_prompt: str, cfg: EngineConfig, image_root: Path | None, absolute: bool) -> _Episode:
     original = _question_image(q, image_root)
-    shown = policy_view(original, cfg.min_pixels, cfg.max_pixels)
+    shown = policy_view(original, cfg.min_pixels, cfg.max_pixels, cfg.factor)
     tool0 = original if (cfg.tool_image0 == "original" and not absolute) else shown
     messages = [
         {"role": "system", "content": sys_prompt},

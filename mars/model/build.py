@@ -1,17 +1,26 @@
-"""Build, save and load Qwen2.5-VL models: the tiny random-init one of the embedded default, or a real checkpoint.
+"""Build, save and load Qwen2.5-VL and Qwen3-VL models: the tiny random-init one of the embedded default, or a real
+checkpoint.
 
 What it does
-    :func:`tiny_config` returns a ``Qwen2_5_VLConfig`` of about 1M parameters (DESIGN.md section 3: text hidden 128,
-    3 layers, 4 heads / 2 KV heads; vision hidden 96, 2 layers; the merger projects to the text hidden size; mrope
-    sections ``[t, h, w]`` summing to ``head_dim / 2``). :func:`build_model` initialises it deterministically from a
-    seed (float32, CPU). :func:`save_checkpoint` writes model + tokenizer + processor atomically (staging directory +
-    rename via :func:`mars.data.io.atomic_dir`); :func:`load_checkpoint` reads them back from a local directory only.
-    The same ``load_checkpoint`` loads a real local Qwen2.5-VL checkpoint directory (``config.json``, safetensors,
-    ``tokenizer.json``, ``preprocessor_config.json``): pass ``dtype=torch.bfloat16`` for a large one (not tested here).
+    :func:`tiny_config` returns a ``Qwen2_5_VLConfig`` (``arch="qwen2_5_vl"``) or a ``Qwen3VLConfig``
+    (``arch="qwen3_vl"``) of about 1M parameters (DESIGN.md section 3: text hidden 128, 3 layers, 4 heads / 2 KV
+    heads; vision hidden 96, 2 layers; the merger projects to the text hidden size; mrope sections ``[t, h, w]``
+    summing to ``head_dim / 2``). The two architectures differ where it matters for the tiny model: Qwen3-VL's vision
+    tower adds a learned absolute position embedding to its patches (Qwen2.5-VL's knows positions only through 2-D
+    rotary attention, so no token's value says where it is), uses 16-px patches (32-px merged tokens, against 28),
+    feeds early vision layers into the first LM layers (DeepStack) and interleaves the mrope frequencies. Measured
+    on the localisation drills (README): both learn the framed cell alike (43-46 of 80 new scenes after 400 steps).
+    :func:`build_model` initialises it deterministically from a seed (float32, CPU). :func:`save_checkpoint` writes
+    model + tokenizer + processor atomically (staging directory + rename via :func:`mars.data.io.atomic_dir`);
+    :func:`load_checkpoint` reads them back from a local directory only. The same ``load_checkpoint`` loads a real
+    local Qwen2.5-VL or Qwen3-VL checkpoint directory (``config.json``, safetensors, ``tokenizer.json``,
+    ``preprocessor_config.json``): pass ``dtype=torch.bfloat16`` for a large one (not tested here).
 
 Deviations
     Tiny random-init model on the embedded default; ``rope_theta`` defaults to 10,000 (Qwen2.5-VL uses 1e6, which
     barely separates positions in so short contexts); torchvision-free processor (see :mod:`mars.model.processor`).
+    The tiny Qwen3-VL taps its first vision layer for DeepStack (the release taps layers 8, 16, 24 of 27) and keeps a
+    16 x 16 absolute position table (the release: 48 x 48).
     Never loads from the hub: paths only.
 
 Run the tests: ``.venv/bin/python -m pytest tests/model -q``.
@@ -19,21 +28,33 @@ Run the tests: ``.venv/bin/python -m pytest tests/model -q``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import (
+    PretrainedConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
 
 from mars.data.io import atomic_dir
-from mars.model.processor import MarsQwen2_5_VLProcessor, load_processor
+from mars.model.processor import PATCH_SIZE, MarsQwen2_5_VLProcessor, load_processor
 
-__all__ = ["build_model", "count_params", "load_checkpoint", "save_checkpoint", "tiny_config"]
+__all__ = ["ARCHES", "PATCH_SIZE", "build_model", "count_params", "load_checkpoint", "save_checkpoint", "tiny_config"]
+
+# model_type -> the transformers class that builds and loads it
+_MODEL_CLASS = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen3_vl": Qwen3VLForConditionalGeneration}
+ARCHES = tuple(_MODEL_CLASS)
 
 
-def _mrope_section(head_dim: int) -> list[int]:
-    """Split ``head_dim/2`` rotary frequencies into (temporal, height, width) like Qwen's [16, 24, 24] for 128."""
+def _mrope_section(head_dim: int, arch: str = "qwen2_5_vl") -> list[int]:
+    """Split ``head_dim/2`` rotary frequencies into (temporal, height, width) like Qwen2.5-VL's [16, 24, 24] for 128
+    (Qwen3-VL: [24, 20, 20])."""
     half = head_dim // 2
-    t = half // 4
+    t = half * 3 // 8 if arch == "qwen3_vl" else half // 4
     h = (half - t) // 2
     return [t, h, half - t - h]
 
@@ -41,6 +62,7 @@ def _mrope_section(head_dim: int) -> list[int]:
 def tiny_config(
     vocab_size: int,
     *,
+    arch: str = "qwen2_5_vl",
     text_hidden: int = 128,
     text_layers: int = 3,
     heads: int = 4,
@@ -61,12 +83,21 @@ def tiny_config(
     max_position_embeddings: int = 8192,
     tie_word_embeddings: bool = True,
     window_size: int = 112,
-) -> Qwen2_5_VLConfig:
-    """A small Qwen2.5-VL config; default token ids are those of :func:`mars.model.tokenizer.train_tokenizer`.
+    num_position_embeddings: int = 256,
+) -> PretrainedConfig:
+    """A small Qwen2.5-VL (or Qwen3-VL) config; default token ids are those of
+    :func:`mars.model.tokenizer.train_tokenizer`.
 
     Pass ``tokenizer.convert_tokens_to_ids(...)`` for another vocabulary. ``head_dim = text_hidden // heads`` must be
     divisible by 4 (mrope needs three sections) and ``vision_hidden // vision_heads`` by 4 (2-D rotary).
+    ``window_size`` is Qwen2.5-VL's window attention span (px); ``num_position_embeddings`` is Qwen3-VL's absolute
+    position table (a square number: 256 is a 16x16 patch grid, bilinearly interpolated to each image's grid).
     """
+    if arch not in _MODEL_CLASS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHES)}, got {arch!r}")
+    if arch == "qwen3_vl" and int(num_position_embeddings ** 0.5) ** 2 != num_position_embeddings:
+        raise ValueError(f"num_position_embeddings must be a square number (a side x side grid), got "
+                         f"{num_position_embeddings}")
     if text_hidden % heads or (text_hidden // heads) % 4:
         raise ValueError(f"text_hidden/heads must be an integer divisible by 4, got {text_hidden}/{heads}")
     if heads % kv_heads:
@@ -82,7 +113,8 @@ def tiny_config(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta), "mrope_section": _mrope_section(head_dim)},
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta),
+                         "mrope_section": _mrope_section(head_dim, arch)},
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
@@ -94,13 +126,19 @@ def tiny_config(
         intermediate_size=vision_intermediate or 2 * vision_hidden,
         num_heads=vision_heads,
         out_hidden_size=text_hidden,
-        window_size=window_size,
-        fullatt_block_indexes=[vision_layers - 1],
-        patch_size=14,
+        patch_size=PATCH_SIZE[arch],
         spatial_merge_size=2,
         temporal_patch_size=2,
     )
-    cfg = Qwen2_5_VLConfig(
+    if arch == "qwen3_vl":
+        text.update(head_dim=head_dim)
+        text["rope_parameters"]["mrope_interleaved"] = True
+        # DeepStack: the first vision layer's features join the first LM layer (the release taps 3 of 27 layers)
+        vision.update(num_position_embeddings=int(num_position_embeddings),
+                      deepstack_visual_indexes=[0] if vision_layers > 1 else [])
+    else:
+        vision.update(window_size=window_size, fullatt_block_indexes=[vision_layers - 1])
+    cfg = (Qwen3VLConfig if arch == "qwen3_vl" else Qwen2_5_VLConfig)(
         text_config=text,
         vision_config=vision,
         image_token_id=image_token_id,
@@ -114,13 +152,19 @@ def tiny_config(
     return cfg
 
 
-def build_model(config: Qwen2_5_VLConfig, seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
+def _model_class(model_type: str, where: str):
+    if model_type not in _MODEL_CLASS:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported; this project builds and loads "
+                         f"{', '.join(ARCHES)} (Qwen2.5-VL, Qwen3-VL)")
+    return _MODEL_CLASS[model_type]
+
+
+def build_model(config: PretrainedConfig, seed: int = 0):
     """A randomly initialised model, float32 on CPU, identical for the same ``config`` and ``seed``."""
-    devices = [torch.device("cpu")]
+    cls = _model_class(config.model_type, "build_model")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    del devices
+        model = cls(config)
     model = model.to(torch.float32)
     gc = model.generation_config
     gc.eos_token_id = config.eos_token_id if config.eos_token_id is not None else config.text_config.eos_token_id
@@ -151,7 +195,8 @@ def save_checkpoint(model, tokenizer, processor: MarsQwen2_5_VLProcessor, path: 
 
 
 def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """``(model, tokenizer, processor)`` from local directory ``path`` (never the hub)."""
+    """``(model, tokenizer, processor)`` from local directory ``path`` (never the hub); the class follows
+    ``config.json``'s ``model_type`` (``qwen2_5_vl`` or ``qwen3_vl``)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
@@ -160,8 +205,10 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         missing.append("*.safetensors")
     if missing:
         raise FileNotFoundError(f"{path}: not a complete checkpoint, missing {', '.join(missing)}")
+    model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
+    cls = _model_class(model_type, str(path / "config.json"))
     processor = load_processor(path)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    model = cls.from_pretrained(str(path), local_files_only=True, dtype=dtype)
     model.to(device)
     model.eval()
     return model, processor.tokenizer, processor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from mars.agent.hf_backend import Generation, HFBackend
@@ -14,18 +15,22 @@ from tests.model.test_model import tiny_stack as _tiny_stack
 _M: dict = {}
 
 
-def tiny_stack():
+def tiny_stack(arch: str = "qwen2_5_vl"):
     """Like the shared stack, but with weights scaled up so a random model's greedy output is not one repeated token."""
-    if "m" not in _M:
+    if arch not in _M:
+        from mars.model.processor import build_processor
+
         tok, proc, _ = _tiny_stack()
-        model = build_model(tiny_config(len(tok)), seed=1)
+        if arch != "qwen2_5_vl":
+            proc = build_processor(tok, proc.min_pixels, proc.max_pixels, arch=arch)
+        model = build_model(tiny_config(len(tok), arch=arch), seed=1)
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for p in model.parameters():
                 if p.dim() >= 2:
                     p.add_(torch.randn(p.shape, generator=g) * 0.08)
-        _M["m"] = (tok, proc, model)
-    return _M["m"]
+        _M[arch] = (tok, proc, model)
+    return _M[arch]
 
 
 def dialogues():
@@ -125,14 +130,16 @@ def _same(a: list[Generation], b: list[Generation], tol: float = 1e-4) -> None:
         assert all(abs(p - q) < tol for p, q in zip(x.logprobs, y.logprobs))
 
 
-def test_episode_cache_over_turns_equals_uncached_generation():
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_episode_cache_over_turns_equals_uncached_generation(arch):
     """Three turns on growing dialogues (tool images in later turns, a repeated dialogue, two dialogues that differ
     only in the pixels of a same-size image): reusing each dialogue's keys/values gives the same tokens and
-    log-probs as a fresh backend without the episode cache (plain ``model.generate``)."""
+    log-probs as a fresh backend without the episode cache (plain ``model.generate``). Qwen3-VL too: its DeepStack
+    features enter the first LM layer at the image positions of the uncached suffix only."""
     from mars.agent.protocol import system_prompt
     from mars.tools.base import TOOL_SCHEMAS
 
-    _, proc, model = tiny_stack()
+    _, proc, model = tiny_stack(arch)
     sp = system_prompt(TOOL_SCHEMAS)
     q = "what year was it founded?"
     base = [

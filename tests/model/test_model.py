@@ -132,3 +132,54 @@ def test_save_load_roundtrip(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="empty"):
         load_checkpoint(tmp_path / "empty")
+
+
+def test_qwen3_vl_tiny_model_builds_saves_and_reloads(tmp_path):
+    """arch="qwen3_vl": the same tokenizer and protocol on a Qwen3-VL body (16-px patches, absolute vision position
+    embedding, DeepStack); the checkpoint reloads as a Qwen3-VL model whose processor names the stock Qwen3 class."""
+    import json
+
+    from transformers import Qwen3VLForConditionalGeneration
+
+    tok, _, _ = tiny_stack()
+    proc = build_processor(tok, PIX, PIX, arch="qwen3_vl")
+    model = build_model(tiny_config(len(tok), arch="qwen3_vl"), seed=0)
+    assert isinstance(model, Qwen3VLForConditionalGeneration)
+    assert 0.7e6 <= count_params(model) <= 1.6e6
+    vc, tc = model.config.vision_config, model.config.text_config
+    assert vc.patch_size == 16 and vc.num_position_embeddings == 256 and list(vc.deepstack_visual_indexes) == [0]
+    assert tc.rope_parameters["mrope_section"] == [6, 5, 5] and tc.rope_parameters["mrope_interleaved"]
+    out = proc(text=["look <|vision_start|><|image_pad|><|vision_end|> here"], images=[image(3)], return_tensors="pt")
+    # 150 x 120 px into at most 112*112 px at factor 32: 150*120 > 12544, so beta = sqrt(18000/12544) = 1.198 and
+    # each side floors to a multiple of 32: 120/1.198 -> 96, 150/1.198 -> 96; 6 x 6 patches, 3 x 3 = 9 tokens
+    assert out["image_grid_thw"].tolist() == [[1, 6, 6]]
+    assert int((out["input_ids"] == tok.convert_tokens_to_ids("<|image_pad|>")).sum()) == 9
+    with torch.no_grad():
+        logits = model(**out).logits
+    assert logits.shape == (1, out["input_ids"].shape[1], len(tok)) and torch.isfinite(logits).all()
+    path = save_checkpoint(model, tok, proc, tmp_path / "q3")
+    assert json.loads((path / "processor_config.json").read_text())["processor_class"] == "Qwen3VLProcessor"
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_vl"
+    m2, _, proc2 = load_checkpoint(path)
+    assert isinstance(m2, Qwen3VLForConditionalGeneration) and proc2.stock_class == "Qwen3VLProcessor"
+    b = proc2(text=["look <|vision_start|><|image_pad|><|vision_end|> here"], images=[image(3)], return_tensors="pt")
+    assert torch.equal(out["pixel_values"], b["pixel_values"])
+    with torch.no_grad():
+        assert torch.equal(logits, m2(**b).logits)
+    plain = Qwen3VLForConditionalGeneration.from_pretrained(str(path), local_files_only=True)  # plain transformers
+    with torch.no_grad():
+        assert torch.equal(logits, plain(**b).logits)
+    from mars.agent.config import AgentParams
+
+    AgentParams(factor=32).check_processor(proc2, "q3")
+    with pytest.raises(ValueError, match="set agent.factor: 32"):
+        AgentParams().check_processor(proc2, "q3")  # views cut for 28-px tokens would be resized again
+    with pytest.raises(ValueError, match="arch must be one of"):
+        tiny_config(len(tok), arch="llava")
+    with pytest.raises(ValueError, match="square number"):
+        tiny_config(len(tok), arch="qwen3_vl", num_position_embeddings=200)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "llava"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="model_type 'llava' is not supported"):
+        load_checkpoint(path)

@@ -284,6 +284,12 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "m.json").exists()
     with pytest.raises(ValueError, match="sft.pretrain_locate must be >= 0"):
         load_params("sft", sft.Params, write_params(tmp_path, "neg", profile={"sft": {"pretrain_locate": -1}}))
+    q3 = load_params("sft", sft.Params, write_params(tmp_path, "q3", profile={"sft": {"arch": "qwen3_vl"}}))
+    with pytest.raises(ValueError, match="sft.arch=qwen3_vl makes 32-px image tokens but agent.factor is 28"):
+        sft.run(q3, b.agent, b.sft_in, outs)  # checked before the teacher plays
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="sft.arch must be"):
+        load_params("sft", sft.Params, write_params(tmp_path, "bad", profile={"sft": {"arch": "llava"}}))
 
 
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):

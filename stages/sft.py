@@ -71,6 +71,7 @@ class Params:
     pretrain_steps: int = 0  # phase 1: steps on gallery captions + reading drills (0 = no pre-training phase)
     pretrain_captions: int = 0  # gallery-caption dialogues (mars.synth.captions)
     pretrain_drills: int = 0  # text-only reading drills over real tool outputs (mars.synth.drills)
+    pretrain_copy: int = 0  # pure copy drills: repeat a list of fresh names (mars.synth.drills.copy_drills)
     pretrain_locate: int = 0  # localisation drills: zoom on the red frame of a freshly drawn scene (mars.synth.locate)
     pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
     mix_pretrain: float = 0.0  # share of phase 2's examples drawn from phase 1's data (so its skills are kept)
@@ -91,6 +92,7 @@ class Params:
     grad_accum: int = 1
     max_steps: int = 350
     lr: float = 2e-3
+    pretrain_lr: float = 0.0  # phase 1's language-model rate (0 = lr; the vision rate stays vision_lr)
     vision_lr: float = 2e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
@@ -117,24 +119,30 @@ class Params:
             raise ValueError(f"sft.arch must be 'qwen2_5_vl' or 'qwen3_vl', got {self.arch!r}")
         if self.n_trajectories < 1:
             raise ValueError(f"sft.n_trajectories must be >= 1, got {self.n_trajectories}")
-        counts = {k: getattr(self, k) for k in ("pretrain_captions", "pretrain_drills", "pretrain_locate",
-                                                 "pretrain_zoom_captions")}
+        counts = {k: getattr(self, k) for k in ("pretrain_captions", "pretrain_drills", "pretrain_copy",
+                                                 "pretrain_locate", "pretrain_zoom_captions")}
         for k, v in {"pretrain_steps": self.pretrain_steps, **counts}.items():
             if v < 0:
                 raise ValueError(f"sft.{k} must be >= 0, got {v}")
         if not 0.0 <= self.mix_pretrain < 1.0:
             raise ValueError(f"sft.mix_pretrain must be in [0, 1), got {self.mix_pretrain}")
+        if self.pretrain_lr < 0:
+            raise ValueError(f"sft.pretrain_lr must be >= 0 (0 = sft.lr), got {self.pretrain_lr}")
         if self.pretrain_steps and not any(counts.values()):
             raise ValueError(f"sft.pretrain_steps > 0 needs one of {', '.join(counts)} > 0")
         self.train_config()  # validates the training knobs
 
-    def train_config(self, max_steps: int | None = None):
+    def pretrain_config(self):
+        """Phase 1's training config: ``pretrain_steps`` steps at ``pretrain_lr`` (``lr`` when 0)."""
+        return self.train_config(self.pretrain_steps, lr=self.pretrain_lr or self.lr)
+
+    def train_config(self, max_steps: int | None = None, lr: float | None = None):
         from mars.train.optim import OptimConfig
         from mars.train.sft import SFTConfig
 
         optim = OptimConfig(
-            lr=self.lr, vision_lr=self.vision_lr, weight_decay=self.weight_decay, warmup_steps=self.warmup_steps,
-            schedule=self.schedule, min_lr_ratio=self.min_lr_ratio,
+            lr=self.lr if lr is None else lr, vision_lr=self.vision_lr, weight_decay=self.weight_decay,
+            warmup_steps=self.warmup_steps, schedule=self.schedule, min_lr_ratio=self.min_lr_ratio,
             max_steps=self.max_steps if max_steps is None else max_steps,
             clip_norm=self.clip_norm, freeze_vision=self.freeze_vision, deepspeed_stage=self.deepspeed_stage,
         )
@@ -197,6 +205,7 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
                        ) -> list[list[dict]]:
     """The pre-training phase's data: ``pretrain_captions`` gallery captions (:mod:`mars.synth.captions`),
     ``pretrain_drills`` reading drills (:mod:`mars.synth.drills`), never about an entity of a test question,
+    ``pretrain_copy`` pure copy drills of fresh names (:func:`mars.synth.drills.copy_drills`),
     ``pretrain_locate`` localisation drills on new scenes drawn with the world's ``scene`` knobs
     (:mod:`mars.synth.locate`, with the episodes' ``system`` prompt) and ``pretrain_zoom_captions`` new emblems at
     a zoom's scale (:func:`mars.synth.captions.zoom_captions`)."""
@@ -205,7 +214,7 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
     _check_scene(params, scene)
     from mars.data.schemas import ENTITIES, GALLERY
     from mars.synth.captions import caption_dialogues, zoom_captions
-    from mars.synth.drills import reading_drills
+    from mars.synth.drills import copy_drills, reading_drills
     from mars.synth.locate import locate_dialogues
 
     held_out = {q["entity_id"] for q in all_questions if q["split"] == "test" and q.get("entity_id")}
@@ -215,6 +224,7 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
                                  seed=params.seed, exclude_entities=held_out)
     drills = reading_drills(agent.toolbox(index_dir, world_dir / "gallery"), entities, gallery, world_dir / "gallery",
                             n=params.pretrain_drills, seed=params.seed, exclude_entities=held_out)
+    drills += copy_drills(entities, n=params.pretrain_copy, seed=params.seed)
     if scene is None:
         return captions + drills
     return (captions + drills + locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system)
@@ -300,7 +310,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         if pretrain:  # phase 1 (its own checkpoints, so a kill in either phase resumes there)
             pre_examples = render_examples(pretrain, proc, params.max_len, desc="rendering pre-training data")
             _check_masks(pre_examples, tok)
-            pre = train_sft(model, pre_examples, params.train_config(params.pretrain_steps), pad_id=tok.pad_token_id,
+            pre = train_sft(model, pre_examples, params.pretrain_config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"] / "pretrain", live_dir=None,
                             fp=fingerprint(fp, "pretrain", len(pre_examples)))
             pre_stats = {"pretrain_examples": len(pre_examples), "pretrain_loss_first": pre["loss_first"],

@@ -12,6 +12,14 @@ What it does
       (titles only; the thumbnails are left out) and a search question; the reply copies the top-1 title's name
       into a ``text_search`` call (``"<name> <keyword>"``), as the teacher does.
 
+    :func:`copy_drills` (optional, ``sft.pretrain_copy``): the user lists 2-5 fresh names and the reply repeats
+    them, a pure copy task. Measured (README): 4,000 of them beside the 4,000 reading drills did not raise the
+    held-out copy rate in 2,000 steps, and their own loss stayed high: the tiny model learns to copy a name of
+    several tokens slowly, whatever the drill.
+
+    The tools are called once per gallery rendering and per query (they are deterministic; the renaming makes
+    every drill new), so thousands of drills cost little more than the distinct observations.
+
     Observations are wrapped exactly as in an episode (:func:`mars.agent.protocol.format_tool_response`), and the
     replies use the teacher's wording, so the circuits learned here are the ones the agentic trajectories use.
 
@@ -35,6 +43,7 @@ Deviation from the paper (and why)
 How to run (Python)::
 
     drills = reading_drills(toolbox, entities, gallery, gallery_dir, n=3000, seed=0, exclude_entities=test_ids)
+    copies = copy_drills(entities, n=1000, seed=0)
 """
 
 from __future__ import annotations
@@ -50,9 +59,11 @@ from mars.agent.oracle import FACT_KEYWORD
 from mars.agent.protocol import format_answer, format_tool_call, format_tool_response
 from mars.agent.teacher import fact_from_observation, titles_from_observation
 from mars.world.questions import FACT_QUESTIONS, FACTS, SEARCH_SUBJECT, question_text
-from mars.world.text import make_word
+from mars.world.text import KINDS, entity_name, make_word
 
-__all__ = ["drill_kind", "reading_drills"]
+__all__ = ["COPY_PROMPT", "copy_drills", "drill_kind", "reading_drills"]
+
+COPY_PROMPT = "Repeat these names in order:"
 
 
 def _user(observation: str, question: str) -> dict:
@@ -97,6 +108,9 @@ def reading_drills(
     rng = np.random.default_rng([seed, 37])
     rename = _Renamer(entities, np.random.default_rng([seed, 38])) if fresh_names else None
     out: list[list[dict]] = []
+    # the tools are deterministic: one call per gallery rendering and per query (renaming makes each drill new)
+    image_obs: dict[str, object] = {}
+    text_obs: dict[str, object] = {}
     attempts = 0
     while len(out) < n:
         attempts += 1
@@ -109,9 +123,11 @@ def reading_drills(
         mcq = bool(rng.random() < mcq_share)
         if rng.random() < title_share and renders.get(ent["entity_id"]):
             paths = renders[ent["entity_id"]]
-            with Image.open(root / paths[int(rng.integers(len(paths)))]) as im:
-                image = im.convert("RGB")
-            obs = toolbox.call("image_search", {"img_idx": 0}, [image])
+            path = paths[int(rng.integers(len(paths)))]
+            if path not in image_obs:
+                with Image.open(root / path) as im:
+                    image_obs[path] = toolbox.call("image_search", {"img_idx": 0}, [im.convert("RGB")])
+            obs = image_obs[path]
             titles = titles_from_observation(obs.text) if obs.error is None else []
             if not titles:
                 continue
@@ -122,7 +138,10 @@ def reading_drills(
             out.append(_dialogue(obs.text, text, reply, rename))
             continue
         name = ent["name"]
-        obs = toolbox.call("text_search", {"query": f"{name} {keyword}"}, [])
+        query = f"{name} {keyword}"
+        if query not in text_obs:
+            text_obs[query] = toolbox.call("text_search", {"query": query}, [])
+        obs = text_obs[query]
         value = fact_from_observation(obs.text, name, fact, pools) if obs.error is None else None
         if value is None:
             continue
@@ -176,7 +195,39 @@ def _dialogue(observation: str, question: str, reply: str, rename: _Renamer | No
     return [_user(observation, question), {"role": "assistant", "content": reply}]
 
 
+def copy_drills(entities: list[dict], *, n: int, seed: int = 0, names: tuple[int, int] = (2, 5)) -> list[list[dict]]:
+    """``n`` pure copy dialogues: the user lists ``names[0]..names[1]`` fresh organisation and founder names, the
+    reply repeats them in order, in its thinking and in the answer (every reply token after the first is a copy).
+
+    The names are new words in the world's syllables (never an entity's or founder's word), organisations with
+    the world's kinds. Deviation: a curriculum step of the default's stand-in pre-training (module docstring),
+    measured in the README; the paper's pretrained model needs none.
+    """
+    if n < 0:
+        raise ValueError(f"the number of copy drills must be >= 0, got {n}")
+    if not 1 <= names[0] <= names[1]:
+        raise ValueError(f"names must be a range 1 <= low <= high, got {names}")
+    words = _Renamer(entities, np.random.default_rng([seed, 39]))
+    rng = np.random.default_rng([seed, 40])
+    out: list[list[dict]] = []
+    for _ in range(n):
+        listed: list[str] = []
+        used: set[str] = set()
+        for _ in range(int(rng.integers(names[0], names[1] + 1))):
+            if rng.random() < 0.7:  # an organisation, as a title is copied into a query
+                listed.append(entity_name(words.fresh(used), KINDS[int(rng.integers(len(KINDS)))]))
+            else:  # a founder, as a fact is copied into an answer
+                listed.append(f"{words.fresh(used)} {words.fresh(used)}")
+        names_text = ", ".join(listed)
+        user = {"role": "user", "content": [{"type": "text", "text": f"{COPY_PROMPT} {names_text}."}]}
+        out.append([user, {"role": "assistant", "content": format_answer(names_text, f"In order: {names_text}.")}])
+    return out
+
+
 def drill_kind(dialogue: list[dict]) -> str:
-    """``"title"`` or ``"fact"``: which drill a dialogue of :func:`reading_drills` is (for reports and tests)."""
+    """``"title"``, ``"fact"`` (:func:`reading_drills`) or ``"copy"`` (:func:`copy_drills`): which drill a
+    dialogue is (for reports and tests)."""
+    if dialogue[0]["content"][0]["text"].startswith(COPY_PROMPT):
+        return "copy"
     return "title" if "<tool_call>" in dialogue[-1]["content"] else "fact"
 

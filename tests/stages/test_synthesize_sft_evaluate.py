@@ -292,6 +292,19 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
         load_params("sft", sft.Params, write_params(tmp_path, "bad", profile={"sft": {"arch": "llava"}}))
 
 
+def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):
+    def params(**kw):
+        return load_params("sft", sft.Params, write_params(tmp_path, "plr", profile={"sft": kw}))
+
+    p = params(lr=0.002, vision_lr=0.001, pretrain_steps=30, pretrain_drills=8, pretrain_lr=0.005, max_steps=40)
+    pre, main = p.pretrain_config().optim, p.train_config().optim
+    assert (pre.lr, pre.vision_lr, pre.max_steps) == (0.005, 0.001, 30)
+    assert (main.lr, main.vision_lr, main.max_steps) == (0.002, 0.001, 40)
+    assert params(lr=0.003, pretrain_steps=30, pretrain_drills=8, pretrain_lr=0.0).pretrain_config().optim.lr == 0.003
+    with pytest.raises(ValueError, match="sft.pretrain_lr must be >= 0"):
+        params(pretrain_lr=-0.001)
+
+
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     """A short run (8 pre-training steps on captions, zoom captions, reading and localisation drills, then 16 steps,
     a checkpoint every 4): SIGKILLed once a checkpoint of the second phase exists, rerun, and compared with an

@@ -8,7 +8,7 @@ import pytest
 
 from mars.agent.protocol import parse_turn
 from mars.agent.teacher import titles_from_observation
-from mars.synth.drills import drill_kind, reading_drills
+from mars.synth.drills import COPY_PROMPT, copy_drills, drill_kind, reading_drills
 from tests.agent.test_oracle import smoke  # noqa: F401  (module fixture: smoke world, questions, tools)
 
 
@@ -89,3 +89,31 @@ def test_fresh_names_keep_the_copy_exact_and_never_repeat(smoke):  # noqa: F811
         # the renaming is a word-for-word substitution: same layout, same years and cities
         assert len(text.split()) == len(p_user["content"][0]["text"].split())
     assert len(set(seen_names)) == len(seen_names)  # a fresh name per drill
+
+
+def test_copy_drills_repeat_fresh_names_exactly(smoke):  # noqa: F811
+    entities = smoke["tables"].entities.to_pylist()
+    world_words = {w for e in entities for w in (e["name"].split()[:-1] + e["founder"].split())}
+    drills = copy_drills(entities, n=50, seed=3)
+    assert len(drills) == 50 and {drill_kind(d) for d in drills} == {"copy"}
+    counts = []
+    for user, assistant in drills:
+        text = user["content"][0]["text"]
+        assert text.startswith(COPY_PROMPT + " ") and text.endswith(".")
+        listed = text[len(COPY_PROMPT) + 1:-1]
+        names = listed.split(", ")
+        counts.append(len(names))
+        turn = parse_turn(assistant["content"])
+        assert turn.well_formed and turn.action == "answer" and turn.answer == listed
+        assert turn.think == f"In order: {listed}."
+        words = {w for name in names for w in name.split()}
+        assert not words & world_words  # fresh: nothing of the world to memorise
+    assert min(counts) == 2 and max(counts) == 5  # names=(2, 5)
+    dump = lambda ds: json.dumps(ds, sort_keys=True)  # noqa: E731
+    assert dump(copy_drills(entities, n=5, seed=3)) == dump(drills[:5])
+    assert dump(copy_drills(entities, n=5, seed=4)) != dump(drills[:5])
+    assert copy_drills(entities, n=0) == []
+    with pytest.raises(ValueError, match="copy drills must be >= 0"):
+        copy_drills(entities, n=-1)
+    with pytest.raises(ValueError, match="names must be a range"):
+        copy_drills(entities, n=1, names=(3, 2))

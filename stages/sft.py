@@ -11,14 +11,15 @@ What it does
        built from the ``text_*`` / ``vision_*`` params, with a tokenizer trained on the
        world's text and the protocol (``tokenizer: local``) or the real Qwen2/2.5 vocabulary (``qwen``). The
        untrained model is saved as ``base/`` (the evaluate stage's "untrained" row).
-    3. Pre-training phase (``pretrain_steps`` > 0; the embedded default): ``pretrain_steps`` steps on gallery
-       captions (:mod:`mars.synth.captions`: an emblem's shape, letter or pattern) and text-only reading drills
-       over real tool outputs (:mod:`mars.synth.drills`: copy a fact from a snippet, copy the top image-search
-       title into a query), about entities of no test question, and localisation drills (:mod:`mars.synth.locate`:
-       the first zoom on freshly drawn scenes with the world's grid and frame; ``pretrain_locate``) and zoom
-       captions (:func:`mars.synth.captions.zoom_captions`: read a new emblem at a zoom's scale). These stand in
-       for the base model's pre-training (a random-init tiny model cannot read emblems or copy names from its
-       context, and the multimodal trajectories are too costly per step to teach it); checkpoints in
+    3. Pre-training phase (``pretrain_steps`` > 0; the embedded default): ``pretrain_steps`` steps (language-model
+       rate ``pretrain_lr``, or ``lr`` when 0) on gallery captions (:mod:`mars.synth.captions`: an emblem's shape,
+       letter or pattern) and text-only reading drills over real tool outputs (:mod:`mars.synth.drills`: copy a
+       fact from a snippet, copy the top image-search title into a query), about entities of no test question,
+       optional pure copy drills (``pretrain_copy``), localisation drills (:mod:`mars.synth.locate`: the first
+       zoom on freshly drawn scenes with the world's grid and frame; ``pretrain_locate``) and zoom captions
+       (:func:`mars.synth.captions.zoom_captions`: read a new emblem at a zoom's scale). These stand in for the
+       base model's pre-training (a random-init tiny model cannot read emblems or copy names from its context,
+       and the multimodal trajectories are too costly per step to teach it); checkpoints in
        ``--checkpoints``/pretrain.
     4. Training on the teacher trajectories, with a seeded ``mix_pretrain`` share of phase 1's examples mixed in
        (without them the agentic phase overwrote the copy skill phase 1 taught; README)

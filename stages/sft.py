@@ -54,6 +54,7 @@ from mars.agent.config import AgentParams
 from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import QUESTIONS
+from mars.model.tokenizer import PRETOKENIZERS
 from mars.stage import load_section, stage_args, write_metrics
 from mars.world.scenes import SceneConfig
 
@@ -73,11 +74,13 @@ class Params:
     pretrain_captions: int = 0  # gallery-caption dialogues (mars.synth.captions)
     pretrain_drills: int = 0  # text-only reading drills over real tool outputs (mars.synth.drills)
     pretrain_copy: int = 0  # pure copy drills: repeat a list of fresh names (mars.synth.drills.copy_drills)
+    drill_names: str = "new"  # the drills' stand-in names: new (generated words) | world (the world's own words)
     pretrain_locate: int = 0  # localisation drills: zoom on the red frame of a freshly drawn scene (mars.synth.locate)
     pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
     mix_pretrain: float = 0.0  # share of phase 2's examples drawn from phase 1's data (so its skills are kept)
     tokenizer: str = "local"  # local | qwen
-    pretokenizer: str = "words"  # local tokenizer: words (split from spaces and punctuation) | bytelevel (GPT-2 style)
+    pretokenizer: str = "trailing"  # local tokenizer: trailing (a word keeps the space after it) | words (spaces
+    #                                 are tokens of their own) | bytelevel (GPT-2 style); mars.model.tokenizer
     vocab_size: int = 1024
     init_checkpoint: str = ""  # a local HF checkpoint directory instead of the tiny random-init model
     arch: str = "qwen2_5_vl"  # the tiny model's architecture: qwen2_5_vl | qwen3_vl (mars.model.build)
@@ -112,10 +115,12 @@ class Params:
             raise ValueError(f"sft.teacher must be 'scripted' or 'openai', got {self.teacher!r}")
         if self.teacher == "openai" and not (self.teacher_base_url and self.teacher_model):
             raise ValueError("sft.teacher=openai needs teacher_base_url and teacher_model")
-        if self.pretokenizer not in ("words", "bytelevel"):
-            raise ValueError(f"sft.pretokenizer must be 'words' or 'bytelevel', got {self.pretokenizer!r}")
+        if self.pretokenizer not in PRETOKENIZERS:
+            raise ValueError(f"sft.pretokenizer must be one of {PRETOKENIZERS}, got {self.pretokenizer!r}")
         if self.tokenizer not in ("local", "qwen"):
             raise ValueError(f"sft.tokenizer must be 'local' or 'qwen', got {self.tokenizer!r}")
+        if self.drill_names not in ("new", "world"):
+            raise ValueError(f"sft.drill_names must be 'new' or 'world', got {self.drill_names!r}")
         if self.arch not in ("qwen2_5_vl", "qwen3_vl"):
             raise ValueError(f"sft.arch must be 'qwen2_5_vl' or 'qwen3_vl', got {self.arch!r}")
         if self.n_trajectories < 1:
@@ -224,8 +229,9 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
     captions = caption_dialogues(gallery, entities, world_dir / "gallery", n=params.pretrain_captions,
                                  seed=params.seed, exclude_entities=held_out)
     drills = reading_drills(agent.toolbox(index_dir, world_dir / "gallery"), entities, gallery, world_dir / "gallery",
-                            n=params.pretrain_drills, seed=params.seed, exclude_entities=held_out)
-    drills += copy_drills(entities, n=params.pretrain_copy, seed=params.seed)
+                            n=params.pretrain_drills, seed=params.seed, exclude_entities=held_out,
+                            rename_from=params.drill_names)
+    drills += copy_drills(entities, n=params.pretrain_copy, seed=params.seed, rename_from=params.drill_names)
     if scene is None:
         return captions + drills
     return (captions + drills + locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system)

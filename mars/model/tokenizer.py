@@ -24,8 +24,9 @@ Deviations
     1024): with a vocabulary large enough to make every name one token, a held-out entity's name is a token never
     trained on (at 4.5k tokens every test-split name held one, at 1024 9% did), and even with every such token
     trained (the drills' stand-ins drawn from the world's own words) the name was not copied (README).
-    The chat template does not insert Qwen's default system prompt when a dialogue has none, and renders a ``tool`` message as a ``user`` turn whose text is wrapped in ``<tool_response>...</tool_response>``
-    (unless it already is) followed by its images, as the reference release does (see :mod:`mars.model.chat`).
+    The chat template does not insert Qwen's default system prompt when a dialogue has none, and renders a
+    ``tool`` message as a ``user`` turn whose text is wrapped in ``<tool_response>...</tool_response>`` (unless it
+    already is) followed by its images, as the reference release does (see :mod:`mars.model.chat`).
 
 Run the tests: ``.venv/bin/python -m pytest tests/model -q``.
 """

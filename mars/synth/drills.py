@@ -67,7 +67,7 @@ from mars.agent.teacher import fact_from_observation, titles_from_observation
 from mars.world.questions import FACT_QUESTIONS, FACTS, SEARCH_SUBJECT, question_text
 from mars.world.text import KINDS, entity_name, make_word
 
-__all__ = ["COPY_PROMPT", "copy_drills", "drill_kind", "reading_drills"]
+__all__ = ["COPY_PROMPT", "RENAME_SOURCES", "copy_drills", "drill_kind", "reading_drills"]
 
 COPY_PROMPT = "Repeat these names in order:"
 RENAME_SOURCES = ("new", "world")

@@ -290,6 +290,10 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="sft.arch must be"):
         load_params("sft", sft.Params, write_params(tmp_path, "bad", profile={"sft": {"arch": "llava"}}))
+    with pytest.raises(ValueError, match=r"sft.drill_names must be one of \('new', 'world'\), got 'pool'"):
+        load_params("sft", sft.Params, write_params(tmp_path, "dn", profile={"sft": {"drill_names": "pool"}}))
+    with pytest.raises(ValueError, match=r"sft.pretokenizer must be one of \('words', 'trailing', 'bytelevel'\)"):
+        load_params("sft", sft.Params, write_params(tmp_path, "pt", profile={"sft": {"pretokenizer": "spaces"}}))
 
 
 def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):

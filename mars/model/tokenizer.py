@@ -19,7 +19,7 @@ Deviations
     default world (README): with spaces as tokens of their own (``"words"``, :data:`WORD_SPLIT`), where the key
     of every next word sits two tokens back, the reading drills' loss stopped near 0.40 and the SFT model's
     text-search query started with the top image-search title in 2 of 76 test episodes; with ``"trailing"`` the
-    loss fell to 0.03 (a phase change near step 700) and the query was right in 36 of 71.
+    loss fell to 0.04 (a phase change near step 700) and the query was right in 36 of 71.
     The vocabulary must stay small enough that names are split into pieces shared by many names (the default:
     1024): with a vocabulary large enough to make every name one token, a held-out entity's name is a token never
     trained on (at 4.5k tokens every test-split name held one, at 1024 9% did), and even with every such token

@@ -135,7 +135,7 @@ def test_world_names_stand_in_from_the_worlds_own_words(smoke):  # noqa: F811
         assert len(text.split()) == len(p_text.split())  # a word-for-word substitution
         pairs = [(a, b) for a, b in zip(p_text.split(), text.split()) if a != b]
         changed += bool(pairs)
-        for a, b in pairs:
+        for _, b in pairs:
             assert b.strip(".,():") in words, b  # only world words stand in
         turn = parse_turn(assistant["content"])
         assert turn.well_formed, assistant["content"]

@@ -148,10 +148,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, pretokenizer: 
     """A byte-level BPE of at most ``vocab_size`` ids trained on ``texts`` (deterministic for the same texts).
 
     The 256 byte symbols are always in the vocabulary, so any string round-trips through encode/decode. Pieces
-    are split by :data:`WORD_SPLIT` first; with a vocabulary large enough for the texts every word that occurs
+    are split by the pre-tokenizer first: ``"words"`` by :data:`WORD_SPLIT`, ``"trailing"`` by
+    :data:`TRAILING_SPLIT` (a word keeps the space after it), ``"bytelevel"`` into GPT-2/Qwen-style pieces (a
+    leading space or symbol glued to a word); with a vocabulary large enough for the texts every word that occurs
     twice becomes a single token (keep it smaller, so names share pieces: module docstring).
-    ``pretokenizer="trailing"`` splits by :data:`TRAILING_SPLIT` (a word keeps the space after it);
-    ``"bytelevel"`` uses GPT-2/Qwen-style pieces instead (a leading space or symbol glued to a word).
     """
     if pretokenizer not in PRETOKENIZERS:
         raise ValueError(f"pretokenizer must be one of {PRETOKENIZERS}, got {pretokenizer!r}")

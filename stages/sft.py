@@ -20,8 +20,12 @@ What it does
        (:func:`mars.synth.captions.zoom_captions`: read a new emblem at a zoom's scale). These stand in for the
        base model's pre-training (a random-init tiny model cannot read emblems or copy names from its context,
        and the multimodal trajectories are too costly per step to teach it); checkpoints in
-       ``--checkpoints``/pretrain.
-    4. Training on the teacher trajectories, with a seeded ``mix_pretrain`` share of phase 1's examples mixed in
+       ``--checkpoints``/pretrain. With ``locate_steps`` > 0 the localisation drills are not mixed into phase 1
+       but get a block of their own after it: ``locate_steps`` steps on them alone (rates ``lr`` and
+       ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision tower needs
+       (README: localisation).
+    4. Training on the teacher trajectories, with a seeded ``mix_pretrain`` share of phase 1's (and the block's)
+       examples mixed in
        (without them the agentic phase overwrote the copy skill phase 1 taught; README)
        (:func:`mars.train.sft.train_sft`): assistant-token loss, per-module learning rates, warm-up and
        schedule, clipping, accumulation, optional DeepSpeed ZeRO-2/3, checkpoints every ``checkpoint_every``
@@ -78,6 +82,7 @@ class Params:
     drill_names: str = "new"  # the drills' stand-in names: new (generated words) | world (the world's own words)
     pretrain_locate: int = 0  # localisation drills: zoom on the red frame of a freshly drawn scene (mars.synth.locate)
     pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
+    locate_steps: int = 0  # > 0: the pretrain_locate drills get a block of their own, these steps after phase 1
     mix_pretrain: float = 0.0  # share of phase 2's examples drawn from phase 1's data (so its skills are kept)
     tokenizer: str = "local"  # local | qwen
     pretokenizer: str = "trailing"  # local tokenizer: trailing (a word keeps the space after it) | words (spaces
@@ -128,13 +133,17 @@ class Params:
             raise ValueError(f"sft.n_trajectories must be >= 1, got {self.n_trajectories}")
         counts = {k: getattr(self, k) for k in ("pretrain_captions", "pretrain_drills", "pretrain_copy",
                                                  "pretrain_locate", "pretrain_zoom_captions")}
-        for k, v in {"pretrain_steps": self.pretrain_steps, **counts}.items():
+        for k, v in {"pretrain_steps": self.pretrain_steps, "locate_steps": self.locate_steps, **counts}.items():
             if v < 0:
                 raise ValueError(f"sft.{k} must be >= 0, got {v}")
         if not 0.0 <= self.mix_pretrain < 1.0:
             raise ValueError(f"sft.mix_pretrain must be in [0, 1), got {self.mix_pretrain}")
         if self.pretrain_lr < 0:
             raise ValueError(f"sft.pretrain_lr must be >= 0 (0 = sft.lr), got {self.pretrain_lr}")
+        if self.locate_steps and not self.pretrain_locate:
+            raise ValueError("sft.locate_steps > 0 trains on the localisation drills: set sft.pretrain_locate > 0")
+        if self.locate_steps:  # the localisation drills are then the block's, not phase 1's
+            counts.pop("pretrain_locate")
         if self.pretrain_steps and not any(counts.values()):
             raise ValueError(f"sft.pretrain_steps > 0 needs one of {', '.join(counts)} > 0")
         self.train_config()  # validates the training knobs
@@ -142,6 +151,10 @@ class Params:
     def pretrain_config(self):
         """Phase 1's training config: ``pretrain_steps`` steps at ``pretrain_lr`` (``lr`` when 0)."""
         return self.train_config(self.pretrain_steps, lr=self.pretrain_lr or self.lr)
+
+    def locate_config(self):
+        """The localisation block's training config: ``locate_steps`` steps at ``lr`` and ``vision_lr``."""
+        return self.train_config(self.locate_steps)
 
     def train_config(self, max_steps: int | None = None, lr: float | None = None):
         from mars.train.optim import OptimConfig
@@ -215,7 +228,8 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
     ``pretrain_copy`` pure copy drills of fresh names (:func:`mars.synth.drills.copy_drills`),
     ``pretrain_locate`` localisation drills on new scenes drawn with the world's ``scene`` knobs
     (:mod:`mars.synth.locate`, with the episodes' ``system`` prompt) and ``pretrain_zoom_captions`` new emblems at
-    a zoom's scale (:func:`mars.synth.captions.zoom_captions`)."""
+    a zoom's scale (:func:`mars.synth.captions.zoom_captions`). With ``locate_steps`` > 0 the localisation drills
+    are not phase 1's but the block's (:func:`locate_block_dialogues`)."""
     if params.pretrain_steps == 0:
         return []
     _check_scene(params, scene)
@@ -235,12 +249,27 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
     drills += copy_drills(entities, n=params.pretrain_copy, seed=params.seed, rename_from=params.drill_names)
     if scene is None:
         return captions + drills
-    return (captions + drills + locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system)
-            + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed))
+    locate = [] if params.locate_steps else locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed,
+                                                             system=system)
+    return captions + drills + locate + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed)
+
+
+def locate_block_dialogues(params: Params, scene: SceneConfig | None = None, system: str | None = None
+                           ) -> list[list[dict]]:
+    """The localisation block's data (``locate_steps`` > 0, else none): ``pretrain_locate`` localisation drills
+    (:mod:`mars.synth.locate`) on new scenes drawn with the world's ``scene`` knobs, with the episodes' ``system``
+    prompt; the same draw phase 1 would get."""
+    if params.locate_steps == 0:
+        return []
+    _check_scene(params, scene)
+    from mars.synth.locate import locate_dialogues
+
+    return locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system)
 
 
 def _check_scene(params: Params, scene: SceneConfig | None) -> None:
-    if params.pretrain_steps and (params.pretrain_locate or params.pretrain_zoom_captions) and scene is None:
+    drawn = params.locate_steps or (params.pretrain_steps and (params.pretrain_locate or params.pretrain_zoom_captions))
+    if drawn and scene is None:
         raise ValueError("sft.pretrain_locate or pretrain_zoom_captions > 0 needs the world's scene knobs (the "
                          "world params section); run the stage through `python -m stages.sft` or pass "
                          "scene=WorldSpec(...).scene_config()")
@@ -306,25 +335,30 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                                         inputs["index_dir"])
     system = (system_prompt if agent.prompt == "full" else compact_system_prompt)(TOOL_SCHEMAS)
     pretrain = pretrain_dialogues(params, agent, inputs["world_dir"], inputs["index_dir"], all_questions, scene, system)
+    locate = locate_block_dialogues(params, scene, system)
     model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
     examples = render_examples([t.messages for t in trajs], proc, params.max_len, desc="rendering trajectories")
     _check_masks(examples, tok)
     fp = fingerprint(params, agent, _file_hash(inputs["questions"]), len(examples))
     pre_stats: dict = {}
-    mixed: list = []
+    pool: list = []  # phase 1's and the block's examples, which phase 2 mixes in
     with atomic_dir(outputs["out"]) as out:
         write_artifacts({out / "trajectories.parquet": (trajectories_table(trajs), "trajectories")})
         save_checkpoint(model, tok, proc, out / "base")
-        if pretrain:  # phase 1 (its own checkpoints, so a kill in either phase resumes there)
-            pre_examples = render_examples(pretrain, proc, params.max_len, desc="rendering pre-training data")
-            _check_masks(pre_examples, tok)
-            pre = train_sft(model, pre_examples, params.pretrain_config(), pad_id=tok.pad_token_id,
-                            ckpt_dir=outputs["checkpoints"] / "pretrain", live_dir=None,
-                            fp=fingerprint(fp, "pretrain", len(pre_examples)))
-            pre_stats = {"pretrain_examples": len(pre_examples), "pretrain_loss_first": pre["loss_first"],
-                         "pretrain_loss_final": pre["loss_final"], "pretrain_tokens_per_s": pre["tokens_per_s"]}
-            mixed = _mix(pre_examples, len(examples), params.mix_pretrain, params.seed)
-            del pre_examples, pretrain  # the pixels of what is not mixed in are not needed in phase 2
+        # phase 1, then the localisation block, each with its own checkpoints, so a kill in any phase resumes there
+        for name, dialogues, config in (("pretrain", pretrain, params.pretrain_config),
+                                        ("locate", locate, params.locate_config)):
+            if not dialogues:
+                continue
+            block = render_examples(dialogues, proc, params.max_len, desc=f"rendering {name} data")
+            _check_masks(block, tok)
+            res = train_sft(model, block, config(), pad_id=tok.pad_token_id, ckpt_dir=outputs["checkpoints"] / name,
+                            live_dir=None, fp=fingerprint(fp, name, len(block)))
+            pre_stats |= {f"{name}_examples": len(block), f"{name}_loss_first": res["loss_first"],
+                          f"{name}_loss_final": res["loss_final"], f"{name}_tokens_per_s": res["tokens_per_s"]}
+            pool += block
+        mixed = _mix(pool, len(examples), params.mix_pretrain, params.seed)
+        del pool, pretrain, locate  # the pixels of what is not mixed in are not needed in phase 2
         summary = train_sft(model, examples + mixed, params.train_config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"], live_dir=outputs["live"], fp=fp)
         if not all(torch.isfinite(torch.tensor([l for _, l in summary["history"]]))):

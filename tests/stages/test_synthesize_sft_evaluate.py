@@ -284,6 +284,21 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "m.json").exists()
     with pytest.raises(ValueError, match="sft.pretrain_locate must be >= 0"):
         load_params("sft", sft.Params, write_params(tmp_path, "neg", profile={"sft": {"pretrain_locate": -1}}))
+    block = load_params("sft", sft.Params, write_params(tmp_path, "blk", profile={"sft": {
+        "pretrain_steps": 0, "locate_steps": 2, "pretrain_locate": 2}}))
+    with pytest.raises(ValueError, match="scene knobs"):
+        sft.run(block, b.agent, b.sft_in, outs)  # the block alone needs the scenes too
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"sft.locate_steps > 0 trains on the localisation drills: set "
+                                         r"sft.pretrain_locate > 0"):
+        load_params("sft", sft.Params, write_params(tmp_path, "nol", profile={"sft": {"locate_steps": 5}}))
+    with pytest.raises(ValueError, match="sft.locate_steps must be >= 0"):
+        load_params("sft", sft.Params, write_params(tmp_path, "negl", profile={"sft": {"locate_steps": -1}}))
+    # with a block of their own the localisation drills are not phase 1's: phase 1 needs other data
+    only = {"pretrain_steps": 5, "pretrain_drills": 0, "pretrain_captions": 0, "pretrain_locate": 4, "locate_steps": 3}
+    with pytest.raises(ValueError, match="sft.pretrain_steps > 0 needs one of pretrain_captions, pretrain_drills, "
+                                         "pretrain_copy, pretrain_zoom_captions > 0"):
+        load_params("sft", sft.Params, write_params(tmp_path, "only", profile={"sft": only}))
     q3 = load_params("sft", sft.Params, write_params(tmp_path, "q3", profile={"sft": {"arch": "qwen3_vl"}}))
     with pytest.raises(ValueError, match="sft.arch=qwen3_vl makes 32-px image tokens but agent.factor is 28"):
         sft.run(q3, b.agent, b.sft_in, outs)  # checked before the teacher plays
@@ -309,13 +324,34 @@ def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):
         params(pretrain_lr=-0.001)
 
 
+def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp_path):
+    b = built
+    scene = world.world_spec(load_params("world", world.Params, b.params)).scene_config()
+    base = {"pretrain_steps": 4, "pretrain_drills": 3, "pretrain_locate": 3}
+
+    def dialogues(**kw):
+        p = load_params("sft", sft.Params, write_params(tmp_path, "blk", profile={"sft": {**base, **kw}}))
+        qs = pq.read_table(b.sft_in["questions"]).to_pylist()
+        return (sft.pretrain_dialogues(p, b.agent, b.sft_in["world_dir"], b.sft_in["index_dir"], qs, scene, "S"),
+                sft.locate_block_dialogues(p, scene, "S"))
+
+    mixed, none = dialogues()
+    apart, block = dialogues(locate_steps=6)
+    assert none == [] and len(mixed) == 6 and len(apart) == 3 and len(block) == 3
+    zooms = [d[-1]["content"] for d in block]
+    assert all("image_zoom_in" in z for z in zooms)
+    assert zooms == [d[-1]["content"] for d in mixed[3:]]  # the same seeded draw, moved to the block
+    assert all("image_zoom_in" not in d[-1]["content"] for d in apart)
+
+
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
-    """A short run (8 pre-training steps on captions, zoom captions, reading and localisation drills, then 16 steps,
-    a checkpoint every 4): SIGKILLed once a checkpoint of the second phase exists, rerun, and compared with an
-    uninterrupted in-process run of the same params (a short run keeps this test cheap)."""
+    """A short run (8 pre-training steps on captions, zoom captions and reading drills, 4 steps of the localisation
+    block, then 16 steps, a checkpoint every 4): SIGKILLed once a checkpoint of the last phase exists, rerun, and
+    compared with an uninterrupted in-process run of the same params (a short run keeps this test cheap)."""
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
-             "pretrain_drills": 16, "pretrain_locate": 4, "pretrain_zoom_captions": 4, "mix_pretrain": 0.25}
+             "pretrain_drills": 16, "pretrain_locate": 4, "locate_steps": 4, "pretrain_zoom_captions": 4,
+             "mix_pretrain": 0.25}
     params = write_params(tmp_path, "short", profile={"sft": short})
     fp = load_params("sft", sft.Params, params)
     scene = world.world_spec(load_params("world", world.Params, params)).scene_config()  # as the CLI reads it
@@ -339,7 +375,10 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     assert m["loss_final"] == pytest.approx(straight_m["loss_final"], abs=1e-5)
     # the pre-training phase ran first on every example it was given, and the rerun restored it from its own
     # checkpoints instead of training it again
-    assert m["pretrain_examples"] == straight_m["pretrain_examples"] == 32
+    assert m["pretrain_examples"] == straight_m["pretrain_examples"] == 28
+    assert m["locate_examples"] == straight_m["locate_examples"] == 4
+    assert m["locate_loss_final"] == pytest.approx(straight_m["locate_loss_final"], abs=1e-6)
+    assert (ckpt / "locate" / f"step-{fp.locate_steps:06d}").is_dir()
     # phase 2 mixes in a quarter of phase-1 examples: one per three trajectories, the same draw after the resume
     assert m["mixed_pretrain_examples"] == straight_m["mixed_pretrain_examples"] == round(m["examples"] / 3)
     assert m["pretrain_loss_final"] == pytest.approx(straight_m["pretrain_loss_final"], abs=1e-6)
@@ -421,6 +460,14 @@ def test_evaluate_smoke(trained, tmp_path):
     types = {q["type"] for q in questions(b, "test")}
     for run in ep.runs:
         assert set(test[run]["by_type"]) == types
+    # localisation: the oracle zooms on the framed cell first in every scene episode; the untrained model's
+    # malformed turns never zoom; every run's episodes are counted
+    scenes = sum(q["scene_id"] is not None for q in questions(b, "test")) * ep.k
+    assert scenes > 0
+    assert test["oracle/agentic"]["first_zoom_framed"] == 1.0
+    assert test["base/agentic"]["first_zoom_framed"] == 0.0
+    assert {test[r]["scene_episodes"] for r in ep.runs} == {scenes}
+    assert test["no-tool/direct"]["first_zoom_framed"] == 0.0
     assert json.loads((tmp_path / "m.json").read_text()) == json.loads(json.dumps(metrics))
     assert (tmp_path / "out/report.html").stat().st_size > 1000
     for name in ("accuracy", "tool_calls"):

@@ -11,7 +11,8 @@ What it does
     inputs re-scores nothing; every sample is scored exactly once.
     :func:`result_rows` builds RESULTS rows; :func:`summarize` the metrics (accuracy per benchmark, model/workflow,
     question type, category and difficulty; tool calls per episode) and :func:`plot_rows` the tables behind
-    ``dvc plots show``.
+    ``dvc plots show``. :func:`first_zoom_framed` measures localisation on the generated world's scenes: the
+    share of scene episodes whose first zoom centres in the framed cell (chance: one cell of the grid).
 
 Workflows
     ``agentic``: the three tools and the protocol's system prompt (the ``agent`` params section).
@@ -40,7 +41,8 @@ from mars.agent.engine import EngineConfig, PolicyBackend, Trajectory, messages_
 from mars.data.io import atomic_path
 from mars.data.schemas import RESULTS
 
-__all__ = ["ResultStore", "engine_question", "evaluate_model", "result_rows", "summarize", "plot_rows", "WORKFLOWS"]
+__all__ = ["ResultStore", "engine_question", "evaluate_model", "result_rows", "summarize", "plot_rows",
+           "first_zoom_framed", "WORKFLOWS"]
 log = logging.getLogger(__name__)
 WORKFLOWS = ("agentic", "direct")
 _TOOL_COLS = {"image_zoom_in": "n_zoom", "text_search": "n_text_search", "image_search": "n_image_search"}
@@ -189,6 +191,44 @@ def summarize(results: pa.Table) -> dict:
                                              for r in rs) / len(rs), 4)
             out[bench][f"{mw[0]}/{mw[1]}"] = entry
     return out
+
+
+def first_zoom_framed(results: pa.Table, scene_of: dict[str, str | None], truth: dict[str, dict]) -> dict:
+    """Localisation per ``"model/workflow"``: ``{"first_zoom_framed": share, "scene_episodes": n}``.
+
+    ``scene_of`` maps a question id to its scene id (None for questions without a scene); ``truth`` maps a scene
+    id to its target's WORLD_TRUTH row (grid and framed cell). Over the result rows of questions with a scene, the
+    share whose first ``image_zoom_in`` on the scene (``img_idx`` 0) has a relative (0..1000) ``bbox_2d`` whose
+    centre lies in the framed cell (:func:`mars.synth.locate.located_cell`). An episode with no such zoom, or
+    whose first one is malformed, counts as a miss. Runs without scene episodes are left out."""
+    import json
+
+    from mars.agent.protocol import parse_turn
+    from mars.synth.locate import located_cell
+
+    counts: dict[str, list[int]] = {}
+    for r in results.to_pylist():
+        scene = scene_of.get(r["question_id"])
+        if scene is None:
+            continue
+        t = truth[scene]
+        c = counts.setdefault(f"{r['model']}/{r['workflow']}", [0, 0])
+        c[1] += 1
+        for m in json.loads(r["messages_json"] or "[]"):
+            if m["role"] != "assistant" or not isinstance(m["content"], str):
+                continue
+            turn = parse_turn(m["content"])
+            if (turn.action != "tool_call" or turn.tool_name != "image_zoom_in"
+                    or turn.arguments.get("img_idx", 0) != 0):
+                continue
+            box = turn.arguments.get("bbox_2d")
+            try:
+                cell = located_cell([float(v) for v in box], int(t["grid_rows"]), int(t["grid_cols"]))
+            except (TypeError, ValueError, IndexError):  # a malformed box is the model's miss, not a crash
+                cell = None
+            c[0] += cell == (t["cell_row"], t["cell_col"])
+            break
+    return {mw: {"first_zoom_framed": round(hit / n, 4), "scene_episodes": n} for mw, (hit, n) in counts.items()}
 
 
 def plot_rows(results: pa.Table) -> tuple[list[dict], list[dict]]:

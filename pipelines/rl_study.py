@@ -5,9 +5,11 @@ What it does
     ``rl.algorithm`` and ``rl.seed``, into ``<out>/<algorithm>-s<seed>/``, then evaluates that checkpoint with the
     ``evaluate`` stage's ``run()`` (``runs: [rl/agentic]``, plus ``sft/agentic`` once as the reference; evaluation
     results are reused when a checkpoint was already scored). It prints and writes (``<out>/summary.json``) the
-    test accuracy per algorithm and seed, the mean and spread (min..max) over seeds, the change against the SFT
-    checkpoint, and each run's reward curve (first / last 5 steps) and wall-clock time, so SFT-only and SFT+RL can
-    be compared at equal steps and at equal time.
+    test accuracy per algorithm and seed, the mean and spread (min..max, std) over seeds, the change against the
+    SFT checkpoint and how many seeds beat it (:func:`aggregate`), localisation (``first_zoom_framed``), and each
+    run's reward curve (first / last 5 steps) and wall-clock time, so SFT-only and SFT+RL can be compared at equal
+    steps and at equal time. ``dvc.yaml`` lists the summary as a top-level metric: ``dvc metrics show`` shows it.
+    A killed study resumes: each RL run from its own checkpoints, each evaluation from its progress.
 
     ``dvc exp run -S rl.algorithm=grpo`` runs one ablation inside DVC; this command runs the grid outside it (the
     pipeline's own outputs are not touched).
@@ -18,7 +20,6 @@ Run (after ``dvc repro sft``): ``python -m pipelines.rl_study --seeds 0 1 2 --al
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from dataclasses import replace
@@ -28,6 +29,7 @@ import numpy as np
 
 from mars.agent.config import AgentParams
 from mars.params import load_params
+from mars.stage import write_metrics
 
 log = logging.getLogger("rl_study")
 
@@ -35,6 +37,25 @@ log = logging.getLogger("rl_study")
 def _acc(metrics: dict, key: str) -> tuple[float, dict]:
     e = metrics["test"][key]
     return e["accuracy"], e.get("by_type", {})
+
+
+def aggregate(runs: dict[str, dict], sft_accuracy: float) -> dict[str, dict]:
+    """Per algorithm over its seeds: ``seeds``, ``mean``/``min``/``max``/``std`` (population) test accuracy,
+    ``delta_vs_sft`` (mean minus the SFT checkpoint's), ``by_type`` means, ``reward_first``/``reward_last``
+    means (a run without rewards counts 0) and ``better_than_sft`` (seeds above the SFT checkpoint)."""
+    out: dict[str, dict] = {}
+    for alg in dict.fromkeys(r["algorithm"] for r in runs.values()):
+        rs = [r for r in runs.values() if r["algorithm"] == alg]
+        accs = np.array([r["accuracy"] for r in rs], dtype=np.float64)  # [seeds]
+        types = sorted({t for r in rs for t in r["by_type"]})
+        out[alg] = {"seeds": len(rs), "mean": round(float(accs.mean()), 4), "min": float(accs.min()),
+                    "max": float(accs.max()), "std": round(float(accs.std()), 4),
+                    "delta_vs_sft": round(float(accs.mean()) - sft_accuracy, 4),
+                    "better_than_sft": int((accs > sft_accuracy).sum()),
+                    "by_type": {t: round(float(np.mean([r["by_type"].get(t, 0.0) for r in rs])), 4) for t in types},
+                    "reward_first": round(float(np.mean([r["reward_first"] or 0.0 for r in rs])), 4),
+                    "reward_last": round(float(np.mean([r["reward_last"] or 0.0 for r in rs])), 4)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     inputs = {"questions": d / "synthesize/questions.parquet", "image_root": d / "synthesize",
               "world_dir": d / "world", "index_dir": d / "index", "sft": d / "sft"}
     summary: dict = {"runs": {}}
-    sft_acc = None
+    sft_acc, sft_zoom = None, None
     for alg in ns.algorithms:
         for seed in ns.seeds:
             name = f"{alg}-s{seed}"
@@ -70,27 +91,23 @@ def main(argv: list[str] | None = None) -> int:
                               {"out": run_dir / "evaluate", "progress": ns.out / "evaluate_progress",
                                "metrics": run_dir / "evaluate.json"})
             if sft_acc is None:
-                sft_acc = _acc(ev, "sft/agentic")
+                sft_acc, sft_zoom = _acc(ev, "sft/agentic"), ev["test"]["sft/agentic"].get("first_zoom_framed")
             acc, by_type = _acc(ev, "rl/agentic")
             summary["runs"][name] = {"algorithm": alg, "seed": seed, "accuracy": acc, "by_type": by_type,
                                      "reward_first": m["reward_first"], "reward_last": m["reward_last"],
+                                     "first_zoom_framed": ev["test"]["rl/agentic"].get("first_zoom_framed"),
                                      "rl_seconds": round(rl_s, 1)}
             log.info("%s: test accuracy %.3f (sft %.3f), reward %.3f -> %.3f, %.0f s", name, acc, sft_acc[0],
                      m["reward_first"] or 0, m["reward_last"] or 0, rl_s)
-    summary["sft"] = {"accuracy": sft_acc[0], "by_type": sft_acc[1]}
+    summary["sft"] = {"accuracy": sft_acc[0], "by_type": sft_acc[1], "first_zoom_framed": sft_zoom}
+    summary |= aggregate(summary["runs"], sft_acc[0])
     print(f"\n{'algorithm':<10}{'seeds':>6}{'mean acc':>10}{'min..max':>14}{'vs sft':>9}{'reward first->last':>22}")
     for alg in ns.algorithms:
-        rs = [r for r in summary["runs"].values() if r["algorithm"] == alg]
-        accs = np.array([r["accuracy"] for r in rs])
-        summary[alg] = {"mean": float(accs.mean()), "min": float(accs.min()), "max": float(accs.max()),
-                        "delta_vs_sft": float(accs.mean() - sft_acc[0])}
-        rf = np.mean([r["reward_first"] or 0 for r in rs])
-        rlast = np.mean([r["reward_last"] or 0 for r in rs])
-        print(f"{alg:<10}{len(rs):>6}{accs.mean():>10.3f}{f'{accs.min():.3f}..{accs.max():.3f}':>14}"
-              f"{accs.mean() - sft_acc[0]:>+9.3f}{f'{rf:.3f} -> {rlast:.3f}':>22}")
+        a = summary[alg]
+        spread, reward = f"{a['min']:.3f}..{a['max']:.3f}", f"{a['reward_first']:.3f} -> {a['reward_last']:.3f}"
+        print(f"{alg:<10}{a['seeds']:>6}{a['mean']:>10.3f}{spread:>14}{a['delta_vs_sft']:>+9.3f}{reward:>22}")
     print(f"{'sft':<10}{'':>6}{sft_acc[0]:>10.3f}")
-    ns.out.mkdir(parents=True, exist_ok=True)
-    (ns.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_metrics(ns.out / "summary.json", summary)  # atomically; dvc.yaml lists it for `dvc metrics show`
     return 0
 
 

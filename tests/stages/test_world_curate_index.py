@@ -15,7 +15,9 @@ import yaml
 from PIL import Image, ImageOps
 
 from mars.params import load_params
+from mars.stage import write_metrics
 from mars.world.planted import PLANTED_CASES
+from pipelines.rl_study import aggregate
 from stages import curate, index, world
 from tests.conftest import REPO, dvc, sh
 
@@ -213,7 +215,17 @@ def test_dvc_repro_smoke_then_noop(clean_copy):
     metrics = next(iter(shown.values()))["data"]  # the workspace entry
     assert metrics["data/metrics/index.json"]["data"]["text_recall_at_5"] >= 0.95
     assert metrics["data/metrics/curate.json"]["data"]["planted_recall"] == 1.0
-    assert metrics["data/metrics/evaluate.json"]["data"]["test"]["oracle/agentic"]["accuracy"] >= 0.95
+    evaluated = metrics["data/metrics/evaluate.json"]["data"]["test"]
+    assert evaluated["oracle/agentic"]["accuracy"] >= 0.95
+    assert evaluated["oracle/agentic"]["first_zoom_framed"] == 1.0  # localisation: the oracle's zoom is the frame
+    # dvc.yaml's top-level metrics: the RL study's summary (written outside dvc repro) is listed once it exists
+    assert "error" in metrics["data/experiments/summary.json"]
+    runs = {"bn_gspo-s0": {"algorithm": "bn_gspo", "accuracy": 0.3, "by_type": {}, "reward_first": 0.1,
+                           "reward_last": 0.2}}
+    write_metrics(clean_copy / "data/experiments/summary.json", {"runs": runs} | aggregate(runs, 0.25))
+    shown = json.loads(dvc(["metrics", "show", "--json"], clean_copy).stdout)
+    study = next(iter(shown.values()))["data"]["data/experiments/summary.json"]["data"]
+    assert study["bn_gspo"]["mean"] == 0.3 and study["bn_gspo"]["delta_vs_sft"] == 0.05
     assert (clean_copy / "data/evaluate/report.html").is_file() and (clean_copy / "data/sft/model/config.json").is_file()
     check = sh([sys.executable, "-m", "mars.cli", "params", "check"], clean_copy)
     assert "profile smoke" in check.stdout

@@ -20,10 +20,10 @@ What it does
        (:func:`mars.synth.captions.zoom_captions`: read a new emblem at a zoom's scale). These stand in for the
        base model's pre-training (a random-init tiny model cannot read emblems or copy names from its context,
        and the multimodal trajectories are too costly per step to teach it); checkpoints in
-       ``--checkpoints``/pretrain. With ``locate_steps`` > 0 the localisation drills are not mixed into phase 1
-       but get a block of their own after it: ``locate_steps`` steps on them alone (rates ``lr`` and
-       ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision tower needs
-       (README: localisation).
+       ``--checkpoints``/pretrain. With ``locate_steps`` > 0 the vision drills (localisation drills and zoom
+       captions, :func:`vision_drills`) are not mixed into phase 1 but get a block of their own after it:
+       ``locate_steps`` steps on them alone (rates ``lr`` and ``vision_lr``; checkpoints in
+       ``--checkpoints``/locate), dedicated practice a random-init vision tower needs (README: localisation).
     4. Training on the teacher trajectories, with a seeded ``mix_pretrain`` share of phase 1's (and the block's)
        examples mixed in
        (without them the agentic phase overwrote the copy skill phase 1 taught; README)
@@ -142,8 +142,9 @@ class Params:
             raise ValueError(f"sft.pretrain_lr must be >= 0 (0 = sft.lr), got {self.pretrain_lr}")
         if self.locate_steps and not self.pretrain_locate:
             raise ValueError("sft.locate_steps > 0 trains on the localisation drills: set sft.pretrain_locate > 0")
-        if self.locate_steps:  # the localisation drills are then the block's, not phase 1's
+        if self.locate_steps:  # the vision drills are then the block's, not phase 1's
             counts.pop("pretrain_locate")
+            counts.pop("pretrain_zoom_captions")
         if self.pretrain_steps and not any(counts.values()):
             raise ValueError(f"sft.pretrain_steps > 0 needs one of {', '.join(counts)} > 0")
         self.train_config()  # validates the training knobs
@@ -225,18 +226,15 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
                        ) -> list[list[dict]]:
     """The pre-training phase's data: ``pretrain_captions`` gallery captions (:mod:`mars.synth.captions`),
     ``pretrain_drills`` reading drills (:mod:`mars.synth.drills`), never about an entity of a test question,
-    ``pretrain_copy`` pure copy drills of fresh names (:func:`mars.synth.drills.copy_drills`),
-    ``pretrain_locate`` localisation drills on new scenes drawn with the world's ``scene`` knobs
-    (:mod:`mars.synth.locate`, with the episodes' ``system`` prompt) and ``pretrain_zoom_captions`` new emblems at
-    a zoom's scale (:func:`mars.synth.captions.zoom_captions`). With ``locate_steps`` > 0 the localisation drills
-    are not phase 1's but the block's (:func:`locate_block_dialogues`)."""
+    ``pretrain_copy`` pure copy drills of fresh names (:func:`mars.synth.drills.copy_drills`)
+    and the vision drills (:func:`vision_drills`: localisation drills and zoom captions). With ``locate_steps`` > 0
+    the vision drills are not phase 1's but the block's (:func:`locate_block_dialogues`)."""
     if params.pretrain_steps == 0:
         return []
     _check_scene(params, scene)
     from mars.data.schemas import ENTITIES, GALLERY
-    from mars.synth.captions import caption_dialogues, zoom_captions
+    from mars.synth.captions import caption_dialogues
     from mars.synth.drills import copy_drills, reading_drills
-    from mars.synth.locate import locate_dialogues
 
     held_out = {q["entity_id"] for q in all_questions if q["split"] == "test" and q.get("entity_id")}
     gallery = read_table(world_dir / "gallery.parquet", GALLERY).to_pylist()
@@ -247,24 +245,31 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
                             n=params.pretrain_drills, seed=params.seed, exclude_entities=held_out,
                             rename_from=params.drill_names)
     drills += copy_drills(entities, n=params.pretrain_copy, seed=params.seed, rename_from=params.drill_names)
-    if scene is None:
+    if params.locate_steps or scene is None:
         return captions + drills
-    locate = [] if params.locate_steps else locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed,
-                                                             system=system)
-    return captions + drills + locate + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed)
+    return captions + drills + vision_drills(params, scene, system)
 
 
 def locate_block_dialogues(params: Params, scene: SceneConfig | None = None, system: str | None = None
                            ) -> list[list[dict]]:
-    """The localisation block's data (``locate_steps`` > 0, else none): ``pretrain_locate`` localisation drills
-    (:mod:`mars.synth.locate`) on new scenes drawn with the world's ``scene`` knobs, with the episodes' ``system``
-    prompt; the same draw phase 1 would get."""
+    """The localisation block's data (``locate_steps`` > 0, else none): the vision drills
+    (:func:`vision_drills`), the same draw phase 1 would get."""
     if params.locate_steps == 0:
         return []
     _check_scene(params, scene)
+    return vision_drills(params, scene, system)
+
+
+def vision_drills(params: Params, scene: SceneConfig, system: str | None = None) -> list[list[dict]]:
+    """``pretrain_locate`` localisation drills on new scenes drawn with the world's ``scene`` knobs
+    (:mod:`mars.synth.locate`, with the episodes' ``system`` prompt) and ``pretrain_zoom_captions`` new emblems at
+    a zoom's scale (:func:`mars.synth.captions.zoom_captions`): phase 1's when ``locate_steps`` is 0, else the
+    block's."""
+    from mars.synth.captions import zoom_captions
     from mars.synth.locate import locate_dialogues
 
-    return locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system)
+    return (locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system)
+            + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed))
 
 
 def _check_scene(params: Params, scene: SceneConfig | None) -> None:

@@ -22,9 +22,11 @@ Zoom captions
     background with the scene's noise, the emblem at the scene's scale (``emblem_frac`` of the short side), so the
     vision tower learns to read an emblem at the size a zoom gives it (a gallery rendering fills its image; the
     emblem in a zone crop covers a fraction of it). The crop is drawn directly (the zone is kept free of clutter by
-    the world, :func:`mars.world.scenes.draw_clutter`), so no 4K scene is rendered (0.2 s each). Measured
-    (README): 1,000 of them in phase 1 did not raise perception measurably (the first zoom, which they do not
-    teach, was at chance), so ``sft.pretrain_zoom_captions`` is 0 by default.
+    the world, :func:`mars.world.scenes.draw_clutter`), so no 4K scene is rendered (0.2 s each); crops longer
+    than ``max_side`` (448 px, twice the view) are scaled down, as the processor would. Measured (README): 1,000
+    of them in phase 1 did not raise perception measurably (the first zoom, which they do not teach, was at
+    chance); 2,000 in the localisation block, with the first zoom right in 70-99% of test scenes, neither (reading
+    after a right zoom stayed near the multiple-choice guess), so ``sft.pretrain_zoom_captions`` is 0 by default.
 
 How to run (Python)::
 
@@ -48,9 +50,10 @@ from mars.world.emblems import random_emblem, render_emblem
 from mars.world.questions import ATTRIBUTES, FRAMED_SUBJECT, PERCEPTION_QUESTIONS, question_text
 from mars.world.scenes import SceneConfig, add_tiled_noise, background, scene_size, zone_box
 
-__all__ = ["CAPTION_SUBJECT", "caption_dialogues", "zoom_captions"]
+__all__ = ["CAPTION_SUBJECT", "ZOOM_LONG_SIDE", "caption_dialogues", "zoom_captions"]
 
 CAPTION_SUBJECT = "this emblem"
+ZOOM_LONG_SIDE = 448  # zoom captions are kept at about twice the policy's 224-px view (as the localisation drills)
 _THINK = (
     "The emblem's {kind} is {value}.",
     "I can see the {kind} clearly: {value}.",
@@ -111,13 +114,17 @@ def caption_dialogues(
     return out
 
 
-def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float = 0.5) -> list[list[dict]]:
+def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float = 0.5,
+                  max_side: int = ZOOM_LONG_SIDE) -> list[list[dict]]:
     """``n`` dialogues ``[user: a zone crop + perception question, assistant: the teacher's answer]`` about new random
-    emblems drawn at the scale of a zoom on ``scene``'s target zone (module docstring, "Zoom captions")."""
+    emblems drawn at the scale of a zoom on ``scene``'s target zone (module docstring, "Zoom captions"); a crop
+    longer than ``max_side`` pixels is scaled down to it (the processor shrinks it to the policy's view anyway)."""
     if n < 0:
         raise ValueError(f"the number of zoom captions must be >= 0, got {n}")
     if not 0.0 <= mcq_share <= 1.0:
         raise ValueError(f"mcq_share must be in [0, 1], got {mcq_share}")
+    if max_side < 28:
+        raise ValueError(f"max_side must be >= 28 pixels, got {max_side}")
     rng = np.random.default_rng([seed, 43])
     out: list[list[dict]] = []
     for _ in range(n):
@@ -134,6 +141,9 @@ def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float
         emblem = render_emblem(spec, size_px, float(rng.uniform(-20, 20)))
         ex, ey = max(0, zw - emblem.width), max(0, zh - emblem.height)
         img.paste(emblem, (int(rng.integers(0, ex + 1)), int(rng.integers(0, ey + 1))), emblem)
+        if max(zw, zh) > max_side:  # a 4K scene's zone is ~1 MB of pixels; 2,000 of them held 2 GB (README)
+            f = max_side / max(zw, zh)
+            img = img.resize((max(1, round(zw * f)), max(1, round(zh * f))), Image.Resampling.LANCZOS)
         text, reply = _attribute_qa(spec, FRAMED_SUBJECT, THINK["answer_attr"], rng, mcq_share)
         out.append([
             {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": text}]},

@@ -294,10 +294,11 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
         load_params("sft", sft.Params, write_params(tmp_path, "nol", profile={"sft": {"locate_steps": 5}}))
     with pytest.raises(ValueError, match="sft.locate_steps must be >= 0"):
         load_params("sft", sft.Params, write_params(tmp_path, "negl", profile={"sft": {"locate_steps": -1}}))
-    # with a block of their own the localisation drills are not phase 1's: phase 1 needs other data
-    only = {"pretrain_steps": 5, "pretrain_drills": 0, "pretrain_captions": 0, "pretrain_locate": 4, "locate_steps": 3}
+    # with a block of their own the vision drills (localisation, zoom captions) are not phase 1's: it needs other data
+    only = {"pretrain_steps": 5, "pretrain_drills": 0, "pretrain_captions": 0, "pretrain_locate": 4, "locate_steps": 3,
+            "pretrain_zoom_captions": 4}
     with pytest.raises(ValueError, match="sft.pretrain_steps > 0 needs one of pretrain_captions, pretrain_drills, "
-                                         "pretrain_copy, pretrain_zoom_captions > 0"):
+                                         "pretrain_copy > 0"):
         load_params("sft", sft.Params, write_params(tmp_path, "only", profile={"sft": only}))
     q3 = load_params("sft", sft.Params, write_params(tmp_path, "q3", profile={"sft": {"arch": "qwen3_vl"}}))
     with pytest.raises(ValueError, match="sft.arch=qwen3_vl makes 32-px image tokens but agent.factor is 28"):
@@ -327,7 +328,7 @@ def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):
 def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp_path):
     b = built
     scene = world.world_spec(load_params("world", world.Params, b.params)).scene_config()
-    base = {"pretrain_steps": 4, "pretrain_drills": 3, "pretrain_locate": 3}
+    base = {"pretrain_steps": 4, "pretrain_drills": 3, "pretrain_locate": 3, "pretrain_zoom_captions": 2}
 
     def dialogues(**kw):
         p = load_params("sft", sft.Params, write_params(tmp_path, "blk", profile={"sft": {**base, **kw}}))
@@ -337,17 +338,19 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
 
     mixed, none = dialogues()
     apart, block = dialogues(locate_steps=6)
-    assert none == [] and len(mixed) == 6 and len(apart) == 3 and len(block) == 3
-    zooms = [d[-1]["content"] for d in block]
-    assert all("image_zoom_in" in z for z in zooms)
-    assert zooms == [d[-1]["content"] for d in mixed[3:]]  # the same seeded draw, moved to the block
+    assert none == [] and len(mixed) == 8 and len(apart) == 3 and len(block) == 5
+    replies = [d[-1]["content"] for d in block]
+    assert all("image_zoom_in" in z for z in replies[:3])  # 3 localisation drills, then 2 zoom captions
+    assert all("<answer>" in z and "image_zoom_in" not in z for z in replies[3:])
+    assert replies == [d[-1]["content"] for d in mixed[3:]]  # the same seeded draws, moved to the block
     assert all("image_zoom_in" not in d[-1]["content"] for d in apart)
 
 
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
-    """A short run (8 pre-training steps on captions, zoom captions and reading drills, 4 steps of the localisation
-    block, then 16 steps, a checkpoint every 4): SIGKILLed once a checkpoint of the last phase exists, rerun, and
-    compared with an uninterrupted in-process run of the same params (a short run keeps this test cheap)."""
+    """A short run (8 pre-training steps on captions and reading drills, 4 steps of the vision block (localisation
+    drills and zoom captions), then 16 steps, a checkpoint every 4): SIGKILLed once a checkpoint of the last phase
+    exists, rerun, and compared with an uninterrupted in-process run of the same params (a short run keeps this test
+    cheap)."""
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
              "pretrain_drills": 16, "pretrain_locate": 4, "locate_steps": 4, "pretrain_zoom_captions": 4,
@@ -375,8 +378,8 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     assert m["loss_final"] == pytest.approx(straight_m["loss_final"], abs=1e-5)
     # the pre-training phase ran first on every example it was given, and the rerun restored it from its own
     # checkpoints instead of training it again
-    assert m["pretrain_examples"] == straight_m["pretrain_examples"] == 28
-    assert m["locate_examples"] == straight_m["locate_examples"] == 4
+    assert m["pretrain_examples"] == straight_m["pretrain_examples"] == 24  # 8 captions + 16 drills
+    assert m["locate_examples"] == straight_m["locate_examples"] == 8  # 4 localisation drills + 4 zoom captions
     assert m["locate_loss_final"] == pytest.approx(straight_m["locate_loss_final"], abs=1e-6)
     assert (ckpt / "locate" / f"step-{fp.locate_steps:06d}").is_dir()
     # phase 2 mixes in a quarter of phase-1 examples: one per three trajectories, the same draw after the resume

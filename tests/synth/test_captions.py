@@ -79,7 +79,7 @@ def test_captions_are_seeded_and_fail_clearly(world):
 
 
 def test_zoom_captions_show_a_new_emblem_at_the_zooms_scale():
-    from mars.synth.captions import zoom_captions
+    from mars.synth.captions import ZOOM_LONG_SIDE, zoom_captions
     from mars.world.emblems import GLYPHS, PATTERNS, SHAPES
     from mars.world.questions import FRAMED_SUBJECT
 
@@ -91,8 +91,10 @@ def test_zoom_captions_show_a_new_emblem_at_the_zooms_scale():
     for user, assistant in dialogues:
         image, question = user["content"][0]["image"], user["content"][1]["text"]
         assert FRAMED_SUBJECT in question
-        # the crop is the cell's central zone: 0.4 of half a side, for scenes of 2048-3840 px on the long side
-        assert 0.4 * 2048 / 2 - 1 <= max(image.size) <= 0.4 * 3840 / 2 + 1
+        # the crop is the cell's central zone: target_zone of half a side, for scenes of 2048-3840 px on the long
+        # side, scaled down to ZOOM_LONG_SIDE (448) when longer
+        zone = scene.target_zone / 2
+        assert min(zone * 2048 - 1, ZOOM_LONG_SIDE) <= max(image.size) <= min(zone * 3840 + 1, ZOOM_LONG_SIDE)
         turn = parse_turn(assistant["content"])
         assert turn.well_formed and turn.action == "answer", assistant["content"]
         if "\nA. " in question:
@@ -115,3 +117,10 @@ def test_zoom_captions_show_a_new_emblem_at_the_zooms_scale():
     assert zoom_captions(scene, n=0) == []
     with pytest.raises(ValueError, match=">= 0"):
         zoom_captions(scene, n=-2)
+    with pytest.raises(ValueError, match="max_side must be >= 28 pixels, got 10"):
+        zoom_captions(scene, n=1, max_side=10)
+    # a small max_side shrinks every crop to it, the aspect kept
+    small = zoom_captions(scene, n=3, seed=0, max_side=64)
+    for d, ref in zip(small, dialogues):
+        im, big = d[0]["content"][0]["image"], ref[0]["content"][0]["image"]
+        assert max(im.size) == 64 and abs(im.size[0] / im.size[1] - big.size[0] / big.size[1]) < 0.05

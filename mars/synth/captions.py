@@ -23,7 +23,9 @@ Zoom captions
     vision tower learns to read an emblem at the size a zoom gives it (a gallery rendering fills its image; the
     emblem in a zone crop covers a fraction of it). The crop is drawn directly (the zone is kept free of clutter by
     the world, :func:`mars.world.scenes.draw_clutter`), so no 4K scene is rendered (0.2 s each); crops longer
-    than ``max_side`` (448 px, twice the view) are scaled down, as the processor would. Measured (README): 1,000
+    than ``max_side`` (448 px, twice the view) are scaled down, as the processor would. :func:`zoom_crop` draws one
+    such crop with its emblem spec (also the images of the sft stage's vision pre-training,
+    :mod:`mars.train.vision`). Measured (README): 1,000
     of them in phase 1 did not raise perception measurably (the first zoom, which they do not teach, was at
     chance); 2,000 in the localisation block, with the first zoom right in 70-99% of test scenes, neither (reading
     after a right zoom stayed near the multiple-choice guess), so ``sft.pretrain_zoom_captions`` is 0 by default.
@@ -50,7 +52,7 @@ from mars.world.emblems import random_emblem, render_emblem
 from mars.world.questions import ATTRIBUTES, FRAMED_SUBJECT, PERCEPTION_QUESTIONS, question_text
 from mars.world.scenes import SceneConfig, add_tiled_noise, background, scene_size, zone_box
 
-__all__ = ["CAPTION_SUBJECT", "ZOOM_LONG_SIDE", "caption_dialogues", "zoom_captions"]
+__all__ = ["CAPTION_SUBJECT", "ZOOM_LONG_SIDE", "caption_dialogues", "zoom_captions", "zoom_crop"]
 
 CAPTION_SUBJECT = "this emblem"
 ZOOM_LONG_SIDE = 448  # zoom captions are kept at about twice the policy's 224-px view (as the localisation drills)
@@ -128,28 +130,36 @@ def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float
     rng = np.random.default_rng([seed, 43])
     out: list[list[dict]] = []
     for _ in range(n):
-        w, h = scene_size(rng, scene.long_side_min, scene.long_side_max, scene.grid_rows, scene.grid_cols)
-        x0, y0, x1, y1 = zone_box(w, h, scene.grid_rows, scene.grid_cols, 0, 0, scene.target_zone)
-        zw, zh = x1 - x0, y1 - y0
-        # the scene's background is a few blotches across the whole scene: draw it small, crop the zone, upsample
-        k = 16
-        small = background(rng, max(1, w // k), max(1, h // k))
-        crop = small.crop((x0 // k, y0 // k, max(x0 // k + 1, x1 // k), max(y0 // k + 1, y1 // k)))
-        img = add_tiled_noise(crop.resize((zw, zh), Image.Resampling.BILINEAR), rng, int(rng.integers(2, 7)))
-        spec = random_emblem(rng)
-        size_px = max(12, int(round(scene.emblem_frac * min(w, h) * rng.uniform(0.85, 1.15))))
-        emblem = render_emblem(spec, size_px, float(rng.uniform(-20, 20)))
-        ex, ey = max(0, zw - emblem.width), max(0, zh - emblem.height)
-        img.paste(emblem, (int(rng.integers(0, ex + 1)), int(rng.integers(0, ey + 1))), emblem)
-        if max(zw, zh) > max_side:  # a 4K scene's zone is ~1 MB of pixels; 2,000 of them held 2 GB (README)
-            f = max_side / max(zw, zh)
-            img = img.resize((max(1, round(zw * f)), max(1, round(zh * f))), Image.Resampling.LANCZOS)
+        img, spec = zoom_crop(scene, rng, max_side)
         text, reply = _attribute_qa(spec, FRAMED_SUBJECT, THINK["answer_attr"], rng, mcq_share)
         out.append([
             {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": text}]},
             {"role": "assistant", "content": reply},
         ])
     return out
+
+
+def zoom_crop(scene: SceneConfig, rng: np.random.Generator, max_side: int = ZOOM_LONG_SIDE
+              ) -> tuple[Image.Image, dict]:
+    """``(crop, emblem spec)``: a NEW random emblem drawn as a zoom on ``scene``'s target zone shows it (module
+    docstring, "Zoom captions"), scaled down to ``max_side`` pixels on its long side when longer."""
+    w, h = scene_size(rng, scene.long_side_min, scene.long_side_max, scene.grid_rows, scene.grid_cols)
+    x0, y0, x1, y1 = zone_box(w, h, scene.grid_rows, scene.grid_cols, 0, 0, scene.target_zone)
+    zw, zh = x1 - x0, y1 - y0
+    # the scene's background is a few blotches across the whole scene: draw it small, crop the zone, upsample
+    k = 16
+    small = background(rng, max(1, w // k), max(1, h // k))
+    crop = small.crop((x0 // k, y0 // k, max(x0 // k + 1, x1 // k), max(y0 // k + 1, y1 // k)))
+    img = add_tiled_noise(crop.resize((zw, zh), Image.Resampling.BILINEAR), rng, int(rng.integers(2, 7)))
+    spec = random_emblem(rng)
+    size_px = max(12, int(round(scene.emblem_frac * min(w, h) * rng.uniform(0.85, 1.15))))
+    emblem = render_emblem(spec, size_px, float(rng.uniform(-20, 20)))
+    ex, ey = max(0, zw - emblem.width), max(0, zh - emblem.height)
+    img.paste(emblem, (int(rng.integers(0, ex + 1)), int(rng.integers(0, ey + 1))), emblem)
+    if max(zw, zh) > max_side:  # a 4K scene's zone is ~1 MB of pixels; 2,000 of them held 2 GB (README)
+        f = max_side / max(zw, zh)
+        img = img.resize((max(1, round(zw * f)), max(1, round(zh * f))), Image.Resampling.LANCZOS)
+    return img, spec
 
 
 def _attribute_qa(spec: dict, subject: str, wordings: tuple[str, ...], rng: np.random.Generator, mcq_share: float

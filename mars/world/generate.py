@@ -122,6 +122,14 @@ class WorldSpec:
              f"the grid needs at least 2 cells, got {self.grid_rows}x{self.grid_cols}")
         need(0 < self.frame_thickness_frac <= 0.1,
              f"frame_thickness_frac must be in (0, 0.1], got {self.frame_thickness_frac}")
+        # the largest target (size jitter x1.15, rotated up to 20 degrees: x(cos 20 + sin 20) = x1.28) must fit the
+        # central zone of its cell, with 10% to spare for pixel rounding in small scenes (the localisation drills
+        # render scenes of ~500 px; target_zone 0.15 passed the 4K world and failed there)
+        zone_min = 1.1 * 1.15 * 1.2817 * self.emblem_frac * max(self.grid_rows, self.grid_cols)
+        need(self.target_zone >= zone_min,
+             f"target_zone {self.target_zone} is too small for emblem_frac {self.emblem_frac} on a "
+             f"{self.grid_rows}x{self.grid_cols} grid: the largest target emblem would not fit the central zone of "
+             f"its cell; raise target_zone to >= {zone_min:.3f} or lower emblem_frac")
         need(0 <= self.decoys < self.grid_rows * self.grid_cols,
              f"decoys must be in 0..{self.grid_rows * self.grid_cols - 1}, got {self.decoys}")
         try:

@@ -347,14 +347,14 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
 
 
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
-    """A short run (8 pre-training steps on captions and reading drills, 4 steps of the vision block (localisation
-    drills and zoom captions), then 16 steps, a checkpoint every 4): SIGKILLed once a checkpoint of the last phase
-    exists, rerun, and compared with an uninterrupted in-process run of the same params (a short run keeps this test
-    cheap)."""
+    """A short run (4 steps of vision pre-training, 8 pre-training steps on captions and reading drills, 4 steps of
+    the vision block (localisation drills and zoom captions), then 16 steps, a checkpoint every 4): SIGKILLed once
+    a checkpoint of the last phase exists, rerun, and compared with an uninterrupted in-process run of the same
+    params (a short run keeps this test cheap)."""
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
              "pretrain_drills": 16, "pretrain_locate": 4, "locate_steps": 4, "pretrain_zoom_captions": 4,
-             "mix_pretrain": 0.25}
+             "mix_pretrain": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16}
     params = write_params(tmp_path, "short", profile={"sft": short})
     fp = load_params("sft", sft.Params, params)
     scene = world.world_spec(load_params("world", world.Params, params)).scene_config()  # as the CLI reads it
@@ -386,6 +386,10 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     assert m["mixed_pretrain_examples"] == straight_m["mixed_pretrain_examples"] == round(m["examples"] / 3)
     assert m["pretrain_loss_final"] == pytest.approx(straight_m["pretrain_loss_final"], abs=1e-6)
     assert (ckpt / "pretrain" / f"step-{fp.pretrain_steps:06d}").is_dir()
+    # phase 0 (vision pre-training) too, before them all
+    assert m["vision_pretrain_loss_final"] == pytest.approx(straight_m["vision_pretrain_loss_final"], abs=1e-6)
+    assert (ckpt / "vision" / f"step-{fp.vision_pretrain_steps:06d}").is_dir()
+    assert set(m) >= {f"vision_pretrain_test_{a}" for a in ("shape", "glyph", "pattern")}
     with (root / "live/plots/metrics/train/loss.tsv").open() as f:
         head, *body = [line.rstrip("\n").split("\t") for line in f if line.strip()]
     steps = [int(float(r[head.index("step")])) for r in body]

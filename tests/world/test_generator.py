@@ -381,6 +381,13 @@ def test_spec_rejects_bad_knobs() -> None:
                 dict(grid_rows=3, grid_cols=3)):  # no multiple of 24 in 2048..2048
         with pytest.raises(ValueError, match="WorldSpec"):
             WorldSpec.smoke(**bad)
+    # the largest target, 0.05 x 1.15 x 1.28 of the short side, needs a zone of 1.1 x that per cell (a 2x2 grid:
+    # 0.162 of a cell, 0.243 of a 3x3 grid's); 0.15 failed in the localisation drills' ~500-px scenes
+    with pytest.raises(ValueError, match=r"target_zone 0.15 is too small .* raise target_zone to >= 0.162"):
+        WorldSpec(target_zone=0.15)
+    assert WorldSpec(target_zone=0.18).target_zone == 0.18
+    with pytest.raises(ValueError, match=r"raise target_zone to >= 0.243"):
+        WorldSpec(grid_rows=3, grid_cols=3, target_zone=0.2)
     assert WorldSpec(grid_rows=3, grid_cols=3, decoys=1).difficulty == 2 and WorldSpec().difficulty == 0
 
 

@@ -1,0 +1,136 @@
+"""Vision pre-training (phase 0): labels, read-out, accuracy counting, training, resume and the stage's params."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from mars.model.build import build_model, tiny_config
+from mars.model.processor import build_processor
+from mars.model.tokenizer import train_tokenizer
+from mars.synth.captions import zoom_crop
+from mars.train.vision import (
+    HEADS,
+    ReadHeads,
+    VisionPretrainConfig,
+    emblem_labels,
+    pretrain_vision,
+    read_accuracy,
+    zoom_read_data,
+)
+from mars.world.generate import WorldSpec
+from stages.sft import Params
+
+
+@pytest.fixture(scope="module")
+def stack():
+    tok = train_tokenizer(["the emblem"] * 4, vocab_size=300)
+    proc = build_processor(tok, 56 * 56, 112 * 112)  # a small view keeps the tests quick
+    scene = WorldSpec().scene_config()
+    return tok, proc, scene
+
+
+def tower(tok, seed: int = 0):
+    cfg = tiny_config(len(tok), vision_hidden=32, vision_layers=1, window_size=112)
+    return build_model(cfg, seed=seed).model.visual, cfg.vision_config.out_hidden_size
+
+
+def test_emblem_labels_index_the_attribute_tables():
+    # SHAPES = (circle, square, triangle, hexagon, ...): hexagon is 3; GLYPHS = "ABCDEFGHJKLMN...": K is 9 (no I);
+    # PATTERNS = (stripes, dots, cross, ...): cross is 2; a missing glyph or pattern is the last class (24, 7)
+    assert emblem_labels({"shape": "hexagon", "glyph": "K", "pattern": "cross"}) == (3, 9, 2)
+    assert emblem_labels({"shape": "circle", "glyph": None, "pattern": None}) == (0, 24, 7)
+    assert HEADS == {"shape": 8, "glyph": 25, "pattern": 8}
+
+
+def test_zoom_read_data_is_the_zoom_crops_in_the_view(stack):
+    _, proc, scene = stack
+    data = zoom_read_data(scene, proc, 6, seed=3)
+    rng = np.random.default_rng([3, 71])
+    specs = [zoom_crop(scene, rng)[1] for _ in range(6)]  # the same draw, the same order
+    assert [d[2] for d in data] == [emblem_labels(s) for s in specs]
+    for pv, grid, _ in data:
+        assert pv.dtype == torch.float16 and grid.shape == (1, 3)
+        assert int(grid.prod()) == pv.shape[0] and int(grid[0, 1] * grid[0, 2]) * 14 * 14 <= 112 * 112  # the view
+    assert zoom_read_data(scene, proc, 0, seed=3) == []
+    with pytest.raises(ValueError, match="must be >= 0"):
+        zoom_read_data(scene, proc, -1, seed=3)
+
+
+def test_read_heads_give_one_row_per_image():
+    heads = ReadHeads(16)
+    grid = torch.tensor([[1, 4, 4], [1, 4, 6]])  # 4 and 6 merged tokens
+    out = heads(torch.randn(10, 16), grid)
+    assert [tuple(o.shape) for o in out] == [(2, 8), (2, 25), (2, 8)]
+
+
+def test_read_accuracy_counts_letters_and_patterns_only_where_drawn(stack):
+    tok, proc, scene = stack
+    visual, dim = tower(tok)
+    data = zoom_read_data(scene, proc, 20, seed=1)
+    heads = ReadHeads(dim)
+    with torch.no_grad():  # constant predictions: shape 0 (circle), letter A, pattern "none"
+        for h, cls in zip(heads.heads, (0, 0, 7)):
+            h.weight.zero_()
+            h.bias.zero_()
+            h.bias[cls] = 1.0
+    visual.train()
+    acc = read_accuracy(visual, heads, data)
+    ys = np.array([d[2] for d in data])
+    # shape: the share of circles; letter: the share of A among crops with a letter; pattern: predicting "none" is
+    # never right over the crops that have a pattern
+    assert acc["shape"] == pytest.approx(float(np.mean(ys[:, 0] == 0)))
+    has = ys[:, 1] < 24
+    assert acc["glyph"] == pytest.approx(float(np.mean(ys[has, 1] == 0)))
+    assert acc["pattern"] == 0.0
+    assert visual.training  # the mode is restored
+
+
+def test_pretrain_vision_fits_its_images_and_resumes_exactly(stack, tmp_path):
+    tok, proc, scene = stack
+    data = zoom_read_data(scene, proc, 32, seed=0)
+    cfg = VisionPretrainConfig(steps=40, batch_size=8, lr=2e-3, checkpoint_every=20)
+    visual, dim = tower(tok)
+    full = pretrain_vision(visual, data, cfg, dim=dim, ckpt_dir=tmp_path / "a", fp="x")
+    # 40 steps over 32 images: the summed cross-entropy (ln 8 + ln 25 + ln 8 = 7.38 at chance) falls
+    assert full["loss_first"] > 6.0 and full["loss_final"] < full["loss_first"] - 1.0
+    assert set(full["train_accuracy"]) == set(HEADS) and full["resumed_from"] == 0
+
+    # a kill after step 20: only the step-20 checkpoint is left; the rerun resumes there and ends identical
+    visual2, _ = tower(tok)
+    pretrain_vision(visual2, data, cfg, dim=dim, ckpt_dir=tmp_path / "b", fp="x")
+    shutil.rmtree(tmp_path / "b" / "step-000040")
+    visual3, _ = tower(tok)
+    resumed = pretrain_vision(visual3, data, cfg, dim=dim, ckpt_dir=tmp_path / "b", fp="x")
+    assert resumed["resumed_from"] == 20 and resumed["loss_final"] == full["loss_final"]
+    for (n, a), b in zip(visual.state_dict().items(), visual3.state_dict().values()):
+        assert torch.equal(a, b), n
+
+    # another fingerprint (changed params or inputs) starts fresh
+    visual4, _ = tower(tok)
+    assert pretrain_vision(visual4, data, cfg, dim=dim, ckpt_dir=tmp_path / "b", fp="y")["resumed_from"] == 0
+
+
+def test_pretrain_vision_rejects_bad_input(stack, tmp_path):
+    tok, proc, scene = stack
+    visual, dim = tower(tok)
+    with pytest.raises(ValueError, match="at least batch_size"):
+        pretrain_vision(visual, zoom_read_data(scene, proc, 2, seed=0), VisionPretrainConfig(steps=1, batch_size=4),
+                        dim=dim, ckpt_dir=tmp_path, fp="x")
+    with pytest.raises(ValueError, match="lr > 0"):
+        VisionPretrainConfig(lr=0.0)
+
+
+def test_stage_params_for_phase_0():
+    p = Params(vision_pretrain_steps=100, vision_pretrain_images=64, batch_size=16, checkpoint_every=10)
+    cfg = p.vision_config()
+    assert (cfg.steps, cfg.batch_size, cfg.lr, cfg.checkpoint_every) == (100, 16, 5e-4, 40)
+    with pytest.raises(ValueError, match="freeze_vision"):
+        Params(vision_pretrain_steps=100, freeze_vision=True)
+    with pytest.raises(ValueError, match="vision_pretrain_images must be >= sft.batch_size"):
+        Params(vision_pretrain_steps=100, vision_pretrain_images=8, batch_size=16)
+    with pytest.raises(ValueError, match="vision_pretrain_steps must be >= 0"):
+        Params(vision_pretrain_steps=-1)

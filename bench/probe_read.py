@@ -17,8 +17,8 @@ What it measures
 Finding (README, Results)
     At ``sft.vision_lr`` (2e-3) neither the default tower (96x2) nor a 5x larger one (192x4) leaves chance in 800
     steps, nor does the default tower in 500 steps with the emblem filling the zoom (``--target-zone 0.12``). At
-    5e-4 the tower learns shape and pattern after a phase change of a few hundred steps (2,000 steps, ``--target-zone 0.15``: shape 38%, pattern
-    35%); the 24 letters stay at chance. Hence phase 0's rate.
+    5e-4 the tower learns shape and pattern after a phase change of hundreds of steps (2,000 steps,
+    ``--target-zone 0.15``: shape 38%, pattern 35%); the 24 letters stay at chance. Hence phase 0's rate.
 
 Not a speed benchmark: the numbers are accuracies after a fixed number of steps (deterministic for a seed); the
 seconds column says what each tower costs.
@@ -65,7 +65,7 @@ def probe(arch: str, hidden: int, layers: int, view: int, lr: float, train, test
     with tempfile.TemporaryDirectory() as ckpt:
         res = pretrain_vision(visual, train, VisionPretrainConfig(steps=steps, batch_size=BATCH, lr=lr, seed=seed,
                                                                   checkpoint_every=steps),
-                              dim=cfg.text_config.hidden_size, ckpt_dir=ckpt, fp="probe", test=test)
+                              dim=cfg.vision_config.out_hidden_size, ckpt_dir=ckpt, fp="probe", test=test)
     return res["test_accuracy"], time.perf_counter() - t0, sum(p.numel() for p in visual.parameters())
 
 

@@ -18,7 +18,8 @@ Finding (README, Results)
     At ``sft.vision_lr`` (2e-3) neither the default tower (96x2) nor a 5x larger one (192x4) leaves chance in 800
     steps, nor does the default tower in 500 steps with the emblem filling the zoom (``--target-zone 0.12``). At
     5e-4 the tower learns shape and pattern after a phase change of hundreds of steps (2,000 steps,
-    ``--target-zone 0.15``: shape 38%, pattern 35%); the 24 letters stay at chance. Hence phase 0's rate.
+    ``--target-zone 0.15``, which ``WorldSpec`` now rejects as too small for the world's targets: shape 38%,
+    pattern 35%); the 24 letters stay at chance. Hence phase 0's rate.
 
 Not a speed benchmark: the numbers are accuracies after a fixed number of steps (deterministic for a seed); the
 seconds column says what each tower costs.

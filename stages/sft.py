@@ -28,8 +28,10 @@ What it does
        and zoom captions, :func:`vision_drills`) are not mixed into phase 1 but get a block of their own after it:
        ``locate_steps`` steps on them alone (rates ``lr`` and ``vision_lr``; checkpoints in
        ``--checkpoints``/locate), dedicated practice a random-init vision tower needs (README: localisation).
-    4. Training on the teacher trajectories, with a seeded ``mix_pretrain`` share of phase 1's (and the block's)
-       examples mixed in
+    4. Training on the teacher trajectories (with ``trajectory_names: new`` or ``world`` their organisation and
+       founder names replaced by stand-ins, a fresh set per trajectory, as in the drills:
+       :func:`trajectory_dialogues`; measured in the README, off by default), with a seeded ``mix_pretrain`` share
+       of phase 1's (and the block's) examples mixed in
        (without them the agentic phase overwrote the copy skill phase 1 taught; README)
        (:func:`mars.train.sft.train_sft`): assistant-token loss, per-module learning rates, warm-up and
        schedule, clipping, accumulation, optional DeepSpeed ZeRO-2/3, checkpoints every ``checkpoint_every``
@@ -61,7 +63,7 @@ from tqdm.auto import tqdm
 from mars.agent.config import AgentParams
 from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
-from mars.data.schemas import QUESTIONS
+from mars.data.schemas import ENTITIES, QUESTIONS
 from mars.model.tokenizer import PRETOKENIZERS
 from mars.synth.drills import RENAME_SOURCES
 from mars.stage import load_section, stage_args, write_metrics
@@ -85,6 +87,7 @@ class Params:
     pretrain_drills: int = 0  # text-only reading drills over real tool outputs (mars.synth.drills)
     pretrain_copy: int = 0  # pure copy drills: repeat a list of fresh names (mars.synth.drills.copy_drills)
     drill_names: str = "new"  # the drills' stand-in names: new (generated words) | world (the world's own words)
+    trajectory_names: str = "real"  # phase 2's names: real | new | world (mars.synth.drills.rename_dialogues)
     pretrain_locate: int = 0  # localisation drills: zoom on the red frame of a freshly drawn scene (mars.synth.locate)
     pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
     locate_steps: int = 0  # > 0: the pretrain_locate drills get a block of their own, these steps after phase 1
@@ -135,6 +138,9 @@ class Params:
             raise ValueError(f"sft.tokenizer must be 'local' or 'qwen', got {self.tokenizer!r}")
         if self.drill_names not in RENAME_SOURCES:
             raise ValueError(f"sft.drill_names must be one of {RENAME_SOURCES}, got {self.drill_names!r}")
+        if self.trajectory_names not in ("real", *RENAME_SOURCES):
+            raise ValueError(f"sft.trajectory_names must be one of {('real', *RENAME_SOURCES)}, got "
+                             f"{self.trajectory_names!r}")
         if self.arch not in ("qwen2_5_vl", "qwen3_vl"):
             raise ValueError(f"sft.arch must be 'qwen2_5_vl' or 'qwen3_vl', got {self.arch!r}")
         if self.n_trajectories < 1:
@@ -233,7 +239,7 @@ def teacher_trajectories(params: Params, agent: AgentParams, questions: list[dic
 
 def tokenizer_texts(world_dir: Path, questions: list[dict], trajs: list, system: str) -> list[str]:
     """What the local tokenizer is fitted to: corpus, names, questions, teacher dialogues, protocol."""
-    from mars.data.schemas import CORPUS, ENTITIES
+    from mars.data.schemas import CORPUS
 
     texts = [r["title"] + " " + r["text"] for r in read_table(world_dir / "corpus.parquet", CORPUS).to_pylist()]
     texts += [r["name"] for r in read_table(world_dir / "entities.parquet", ENTITIES).to_pylist()]
@@ -257,7 +263,7 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
     if params.pretrain_steps == 0:
         return []
     _check_scene(params, scene)
-    from mars.data.schemas import ENTITIES, GALLERY
+    from mars.data.schemas import GALLERY
     from mars.synth.captions import caption_dialogues
     from mars.synth.drills import copy_drills, reading_drills
 
@@ -367,7 +373,8 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     pretrain = pretrain_dialogues(params, agent, inputs["world_dir"], inputs["index_dir"], all_questions, scene, system)
     locate = locate_block_dialogues(params, scene, system)
     model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
-    examples = render_examples([t.messages for t in trajs], proc, params.max_len, desc="rendering trajectories")
+    examples = render_examples(trajectory_dialogues(params, trajs, inputs["world_dir"]), proc, params.max_len,
+                               desc="rendering trajectories")
     _check_masks(examples, tok)
     fp = fingerprint(params, agent, _file_hash(inputs["questions"]), len(examples))
     pre_stats: dict = {}
@@ -402,6 +409,18 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     log.info("sft: %s", metrics)
     write_metrics(outputs["metrics"], metrics)
     return metrics
+
+
+def trajectory_dialogues(params: Params, trajs: list, world_dir: Path) -> list[list[dict]]:
+    """Phase 2's dialogues: the teacher trajectories, with stand-in names when ``trajectory_names`` asks for them
+    (:func:`mars.synth.drills.rename_dialogues`; ``trajectories.parquet`` keeps the real ones)."""
+    dialogues = [t.messages for t in trajs]
+    if params.trajectory_names == "real":
+        return dialogues
+    from mars.synth.drills import rename_dialogues
+
+    entities = read_table(world_dir / "entities.parquet", ENTITIES).to_pylist()
+    return rename_dialogues(dialogues, entities, seed=params.seed, rename_from=params.trajectory_names)
 
 
 def vision_pretrain(params: Params, model, proc, scene: SceneConfig, ckpt_dir: Path, fp: str) -> dict:

@@ -37,6 +37,12 @@ What it does
     steps, from the world's 1,346 words or from 300 of them): the model copies the first title's kind but not its
     word, so the default stays ``"new"``.
 
+    :func:`rename_dialogues` (``sft.trajectory_names``) applies the same renaming to whole dialogues, the teacher
+    trajectories of phase 2: no real name is trained on, so none can be recalled instead of copied. Measured
+    (README, "search chain"): the SFT model's queries copied the top-1 title in 41% of search and multi-hop episodes
+    (16% with real names) and the answer was in the text-search result in 38% (18%), but it answered only a fifth
+    of those right, and its accuracy did not rise (10.8% against 15.8%), so it is off by default.
+
 Deviation from the paper (and why)
     The paper's policy starts from an LLM that can already copy a name from its context. The embedded default's
     language model is random-init, and measured on the default world it did not learn to copy from ~700 teacher
@@ -50,6 +56,7 @@ How to run (Python)::
 
     drills = reading_drills(toolbox, entities, gallery, gallery_dir, n=3000, seed=0, exclude_entities=test_ids)
     copies = copy_drills(entities, n=1000, seed=0)
+    renamed = rename_dialogues([t.messages for t in trajectories], entities, seed=0)
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ from mars.agent.teacher import fact_from_observation, titles_from_observation
 from mars.world.questions import FACT_QUESTIONS, FACTS, SEARCH_SUBJECT, question_text
 from mars.world.text import KINDS, entity_name, make_word
 
-__all__ = ["COPY_PROMPT", "RENAME_SOURCES", "copy_drills", "drill_kind", "reading_drills"]
+__all__ = ["COPY_PROMPT", "RENAME_SOURCES", "copy_drills", "drill_kind", "reading_drills", "rename_dialogues"]
 
 COPY_PROMPT = "Repeat these names in order:"
 RENAME_SOURCES = ("new", "world")
@@ -213,6 +220,43 @@ def _dialogue(observation: str, question: str, reply: str, rename: _Renamer | No
     if rename is not None:
         observation, question, reply = rename([observation, question, reply])
     return [_user(observation, question), {"role": "assistant", "content": reply}]
+
+
+def rename_dialogues(dialogues: list[list[dict]], entities: list[dict], *, seed: int = 0,
+                     rename_from: str = "new") -> list[list[dict]]:
+    """The same dialogues with every organisation word and founder name in their user and assistant text replaced
+    by a stand-in (as in the drills: consistently within a dialogue, a fresh set for each); system messages and
+    images are kept as they are (images are shared, not copied). ``sft.trajectory_names: new`` applies this to the
+    teacher trajectories, so that phase 2 never shows a real name and the only way to its names is copying.
+
+    Deviation: the trajectories stay real tool observations up to a consistent renaming of their text (the stored
+    ``trajectories.parquet`` keeps the real names); the paper's pretrained model needs no such help.
+    """
+    rename = _Renamer(entities, np.random.default_rng([seed, 41]), rename_from)
+    out: list[list[dict]] = []
+    for dialogue in dialogues:
+        slots: list[tuple[int, int | None]] = []  # (message, part or None for a string content)
+        texts: list[str] = []
+        for i, m in enumerate(dialogue):
+            if m["role"] == "system":
+                continue
+            if isinstance(m["content"], str):
+                slots.append((i, None))
+                texts.append(m["content"])
+            else:
+                for j, part in enumerate(m["content"]):
+                    if part.get("type") == "text":
+                        slots.append((i, j))
+                        texts.append(part["text"])
+        new = [dict(m, content=list(m["content"]) if isinstance(m["content"], list) else m["content"])
+               for m in dialogue]
+        for (i, j), text in zip(slots, rename(texts)):
+            if j is None:
+                new[i]["content"] = text
+            else:
+                new[i]["content"][j] = dict(new[i]["content"][j], text=text)
+        out.append(new)
+    return out
 
 
 def copy_drills(entities: list[dict], *, n: int, seed: int = 0, names: tuple[int, int] = (2, 5),

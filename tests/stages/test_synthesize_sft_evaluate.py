@@ -308,6 +308,8 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
         load_params("sft", sft.Params, write_params(tmp_path, "bad", profile={"sft": {"arch": "llava"}}))
     with pytest.raises(ValueError, match=r"sft.drill_names must be one of \('new', 'world'\), got 'pool'"):
         load_params("sft", sft.Params, write_params(tmp_path, "dn", profile={"sft": {"drill_names": "pool"}}))
+    with pytest.raises(ValueError, match=r"sft.trajectory_names must be one of \('real', 'new', 'world'\), got 'x'"):
+        load_params("sft", sft.Params, write_params(tmp_path, "tn", profile={"sft": {"trajectory_names": "x"}}))
     with pytest.raises(ValueError, match=r"sft.pretokenizer must be one of \('words', 'trailing', 'bytelevel'\)"):
         load_params("sft", sft.Params, write_params(tmp_path, "pt", profile={"sft": {"pretokenizer": "spaces"}}))
 

@@ -6,9 +6,11 @@ import json
 
 import pytest
 
+from mars.agent.engine import EngineConfig, run_episodes
+from mars.agent.oracle import oracle_policy, scripted_backend
 from mars.agent.protocol import parse_turn
 from mars.agent.teacher import titles_from_observation
-from mars.synth.drills import COPY_PROMPT, copy_drills, drill_kind, reading_drills
+from mars.synth.drills import COPY_PROMPT, copy_drills, drill_kind, reading_drills, rename_dialogues
 from mars.world.text import KINDS
 from tests.agent.test_oracle import smoke  # noqa: F401  (module fixture: smoke world, questions, tools)
 
@@ -158,3 +160,65 @@ def test_world_names_stand_in_from_the_worlds_own_words(smoke):  # noqa: F811
         assert {w for name in listed.split(", ") for w in name.split()} <= words | {k.title() for k in KINDS}
     with pytest.raises(ValueError, match="rename_from must be one of"):
         reading_drills(**_args(smoke, n=3, rename_from="pool"))
+
+
+def _texts(dialogue: list[dict]) -> list[str]:
+    out = []
+    for m in dialogue:
+        c = m["content"]
+        out += [c] if isinstance(c, str) else [p["text"] for p in c if p.get("type") == "text"]
+    return out
+
+
+def test_renamed_trajectories_keep_every_copy_and_show_no_real_name(smoke):  # noqa: F811
+    """sft.trajectory_names: the oracle's real episodes, renamed: no organisation word or founder name of the world
+    is left outside the system prompt, the copies the episode makes (top title -> query, snippet -> answer) still
+    hold, images and the system prompt are the same objects, and the input dialogues are untouched."""
+    qs, entities = smoke["questions"], smoke["tables"].entities.to_pylist()
+    words = {w for e in entities for w in (e["name"].split()[:-1] + e["founder"].split())}
+    backend = scripted_backend(qs, lambda q: oracle_policy(q, smoke["world_truth"]), smoke["world"])
+    trajs = run_episodes(qs, backend, smoke["toolbox"], EngineConfig(), seed=0, image_root=smoke["world"])
+    dialogues = [t.messages for t in trajs]
+    before = [_texts(d) for d in dialogues]
+    renamed = rename_dialogues(dialogues, entities, seed=0)
+    assert [_texts(d) for d in dialogues] == before  # the input is not modified
+    assert len(renamed) == len(dialogues)
+    first_names, copies = [], 0
+    for q, old, new in zip(qs, dialogues, renamed):
+        assert [m["role"] for m in new] == [m["role"] for m in old]
+        for m_old, m_new in zip(old, new):
+            if m_old["role"] == "system":
+                assert m_new["content"] == m_old["content"]
+            if isinstance(m_old["content"], list):  # images are shared, in the same places
+                assert [p.get("image") for p in m_new["content"]] == [p.get("image") for p in m_old["content"]]
+        texts = _texts([m for m in new if m["role"] != "system"])
+        tokens = {w.strip(".,:;!?'\"()[]{}") for t in texts for w in t.split()}
+        assert not tokens & words, (q["question_id"], tokens & words)
+        # a word-for-word substitution: the same layout, years and cities kept
+        assert [len(t.split()) for t in _texts(new)] == [len(t.split()) for t in _texts(old)]
+        turns = [parse_turn(m["content"]) for m in new if m["role"] == "assistant"]
+        assert all(t.well_formed for t in turns)
+        tops: tuple[str, str] | None = None  # (old, new) top-1 title of the last image search
+        for m_old, m in zip(old, new):
+            if m["role"] == "system":
+                continue
+            text_old, text = _texts([m_old])[0], _texts([m])[0]
+            if m["role"] == "user" and "Image search results" in text:
+                tops = tuple(titles_from_observation(t.split("<tool_response>\n", 1)[1])[0] for t in (text_old, text))
+            turn, turn_old = (parse_turn(t) if m["role"] == "assistant" else None for t in (text, text_old))
+            if turn is not None and turn.action == "tool_call" and turn.tool_name == "text_search" and tops:
+                copied = turn_old.arguments["query"].startswith(tops[0] + " ")  # the oracle may query another name
+                assert turn.arguments["query"].startswith(tops[1] + " ") == copied  # the copy holds after renaming
+                copies += copied
+                first_names.append(tops[1])
+                tops = None
+        if q["type"] != "perception" and q["choices"] is None:  # an open fact: the answer is in a snippet
+            snippets = [t for t in texts if t.startswith("<tool_response>") and "Image search" not in t]
+            assert any(turns[-1].answer in s for s in snippets), (q["question_id"], turns[-1].answer)
+    assert copies >= 5
+    assert len(set(first_names)) == len(first_names)  # fresh names in every dialogue
+    dump = lambda ds: json.dumps([_texts(d) for d in ds])  # noqa: E731
+    assert dump(rename_dialogues(dialogues, entities, seed=0)) == dump(renamed)
+    assert dump(rename_dialogues(dialogues, entities, seed=1)) != dump(renamed)
+    with pytest.raises(ValueError, match="rename_from must be one of"):
+        rename_dialogues(dialogues, entities, rename_from="pool")

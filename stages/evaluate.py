@@ -19,7 +19,9 @@ Outputs (``--out``): ``results.parquet`` (RESULTS schema), ``report.html`` (self
 ``plots/accuracy.csv`` and ``plots/tool_calls.csv`` (``dvc plots show``); ``--metrics``: accuracy per
 benchmark, model/workflow, question type, category and difficulty, and on the test split (with
 ``agent.coords: relative``) ``first_zoom_framed``: the share of scene episodes whose first zoom lands in the framed
-cell (:func:`mars.eval.run.first_zoom_framed`; localisation, chance one cell of the grid).
+cell (:func:`mars.eval.run.first_zoom_framed`; localisation, chance one cell of the grid), and the search
+chain of the search and multi-hop episodes (``chain_*``, :func:`mars.eval.run.search_chain`: top-1 image-search
+title right, query copies it, the text-search result holds the answer, right given that).
 
 Run: ``python -m stages.evaluate --questions data/synthesize/questions.parquet --image-root data/synthesize
 --world-dir data/world --index-dir data/index --sft data/sft --out data/evaluate --progress data/evaluate_progress
@@ -118,10 +120,10 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.agent.backends import OpenAIBackend, ScriptedBackend
     from mars.agent.oracle import World, no_tool_policy, oracle_policy, scripted_backend
     from mars.data.io import read_table
-    from mars.data.schemas import QUESTIONS, WORLD_TRUTH
+    from mars.data.schemas import ENTITIES, QUESTIONS, WORLD_TRUTH
     from mars.eval.loaders import load_benchmark
     from mars.eval.report import write_report
-    from mars.eval.run import ResultStore, evaluate_model, first_zoom_framed, plot_rows, summarize
+    from mars.eval.run import ResultStore, evaluate_model, first_zoom_framed, plot_rows, search_chain, summarize
     from mars.train.checkpoint import fingerprint
 
     specs = [{"format": "synth", "name": "test", "path": str(inputs["questions"]),
@@ -178,13 +180,17 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
             tables.append(t)
     results = pa.concat_tables(tables)
     metrics = summarize(results)
+    test = results.filter(pc.equal(results.column("benchmark"), "test"))
     if agent.coords == "relative":  # localisation on the generated scenes (boxes on the 0..1000 grid)
         truth = {r["scene_id"]: r for r in read_table(inputs["world_dir"] / "world_truth.parquet",
                                                       WORLD_TRUTH).to_pylist() if r["is_target"]}
-        test = results.filter(pc.equal(results.column("benchmark"), "test"))
         scene_of = {i: q["scene_id"] for i, q in synth.items()}
         for mw, loc in first_zoom_framed(test, scene_of, truth).items():
             metrics["test"][mw] |= loc
+    names = {r["entity_id"]: r["name"] for r in read_table(inputs["world_dir"] / "entities.parquet",
+                                                           ENTITIES).to_pylist()}
+    for mw, chain in search_chain(test, synth, names).items():  # which link of the search chain fails
+        metrics["test"][mw] |= chain
     acc, tools = plot_rows(results)
     with atomic_dir(outputs["out"]) as out:
         write_artifacts({out / "results.parquet": (results, "results")})

@@ -13,6 +13,9 @@ What it does
     question type, category and difficulty; tool calls per episode) and :func:`plot_rows` the tables behind
     ``dvc plots show``. :func:`first_zoom_framed` measures localisation on the generated world's scenes: the
     share of scene episodes whose first zoom centres in the framed cell (chance: one cell of the grid).
+    :func:`search_chain` follows the search and multi-hop episodes step by step (is the first image search's top-1
+    title the right organisation, does the next text query copy that title, does its result hold the answer, and is
+    the answer then right), so ``dvc metrics show`` says which link of the chain fails.
 
 Workflows
     ``agentic``: the three tools and the protocol's system prompt (the ``agent`` params section).
@@ -42,7 +45,7 @@ from mars.data.io import atomic_path
 from mars.data.schemas import RESULTS
 
 __all__ = ["ResultStore", "engine_question", "evaluate_model", "result_rows", "summarize", "plot_rows",
-           "first_zoom_framed", "WORKFLOWS"]
+           "first_zoom_framed", "search_chain", "WORKFLOWS"]
 log = logging.getLogger(__name__)
 WORKFLOWS = ("agentic", "direct")
 _TOOL_COLS = {"image_zoom_in": "n_zoom", "text_search": "n_text_search", "image_search": "n_image_search"}
@@ -229,6 +232,64 @@ def first_zoom_framed(results: pa.Table, scene_of: dict[str, str | None], truth:
             c[0] += cell == (t["cell_row"], t["cell_col"])
             break
     return {mw: {"first_zoom_framed": round(hit / n, 4), "scene_episodes": n} for mw, (hit, n) in counts.items()}
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(p.get("text", "") for p in content or [] if p.get("type") == "text")
+
+
+def search_chain(results: pa.Table, questions: dict[str, dict], names: dict[str, str]) -> dict:
+    """The search chain per ``"model/workflow"``, over result rows of search and multi-hop questions.
+
+    ``questions`` maps a question id to its QUESTIONS row (``type``, ``entity_id``, ``answer``: the value, also for
+    multiple choice); ``names`` an entity id to its name. Per episode: the first ``image_search`` observation's top-1
+    title (without its "logo"/"crest"... suffix), the first ``text_search`` after it (its query and observation).
+    Returns ``{"chain_episodes": n, "chain_top1_right": share whose top-1 title is the question's organisation,
+    "chain_query_copies_top1": share whose query is that title or starts with it and a space (right or wrong),
+    "chain_snippet_has_answer": share whose text-search observation contains the answer (case-insensitive),
+    "chain_right_given_snippet": correct among those (None when there are none)}``. An episode that never gets
+    that far counts as a miss of the link it did not reach; malformed turns are skipped. Runs without such
+    questions are left out."""
+    import json
+
+    from mars.agent.protocol import parse_turn
+    from mars.agent.teacher import titles_from_observation
+
+    counts: dict[str, list[int]] = {}  # [episodes, top1 right, query copies, snippet has answer, right | snippet]
+    for r in results.to_pylist():
+        q = questions.get(r["question_id"])
+        if q is None or q.get("type") not in ("search", "multi-hop"):
+            continue
+        c = counts.setdefault(f"{r['model']}/{r['workflow']}", [0, 0, 0, 0, 0])
+        top = query = snippet = None
+        last = None  # the tool the last assistant turn called
+        for m in json.loads(r["messages_json"] or "[]"):
+            if m["role"] == "assistant":
+                turn = parse_turn(_text(m["content"]))
+                last = turn if turn.action == "tool_call" else None
+                continue
+            if m["role"] != "user" or last is None:
+                continue
+            if last.tool_name == "image_search" and top is None:
+                titles = titles_from_observation(_text(m["content"]))
+                top = titles[0] if titles else ""
+            elif last.tool_name == "text_search" and top is not None and query is None:
+                query, snippet = str((last.arguments or {}).get("query", "")).strip(), _text(m["content"])
+                break
+            last = None
+        answer = str(q["answer"]).lower()
+        has = snippet is not None and answer in snippet.lower()
+        c[0] += 1
+        c[1] += bool(top) and top.lower() == str(names.get(q["entity_id"], "")).lower()
+        c[2] += bool(top) and query is not None and (query == top or query.startswith(top + " "))
+        c[3] += has
+        c[4] += has and bool(r["correct"])
+    return {mw: {"chain_episodes": n, "chain_top1_right": round(top1 / n, 4),
+                 "chain_query_copies_top1": round(copies / n, 4), "chain_snippet_has_answer": round(has / n, 4),
+                 "chain_right_given_snippet": round(right / has, 4) if has else None}
+            for mw, (n, top1, copies, has, right) in counts.items()}
 
 
 def plot_rows(results: pa.Table) -> tuple[list[dict], list[dict]]:

@@ -477,6 +477,13 @@ def test_evaluate_smoke(trained, tmp_path):
     assert test["base/agentic"]["first_zoom_framed"] == 0.0
     assert {test[r]["scene_episodes"] for r in ep.runs} == {scenes}
     assert test["no-tool/direct"]["first_zoom_framed"] == 0.0
+    # the search chain: the oracle reads the answer from a snippet in every search and multi-hop episode and answers
+    # right; the untrained model never gets a title; every run's search episodes are counted
+    searches = sum(q["type"] in ("search", "multi-hop") for q in questions(b, "test")) * ep.k
+    assert searches > 0 and {test[r]["chain_episodes"] for r in ep.runs} == {searches}
+    oracle = test["oracle/agentic"]
+    assert oracle["chain_snippet_has_answer"] == oracle["chain_right_given_snippet"] == 1.0
+    assert test["base/agentic"]["chain_top1_right"] == 0.0 and test["base/agentic"]["chain_right_given_snippet"] is None
     assert json.loads((tmp_path / "m.json").read_text()) == json.loads(json.dumps(metrics))
     assert (tmp_path / "out/report.html").stat().st_size > 1000
     for name in ("accuracy", "tool_calls"):

@@ -36,7 +36,8 @@ What it does
        (:func:`mars.train.sft.train_sft`): assistant-token loss, per-module learning rates, warm-up and
        schedule, clipping, accumulation, optional DeepSpeed ZeRO-2/3, checkpoints every ``checkpoint_every``
        steps into ``--checkpoints`` (kept by DVC across runs: a killed ``dvc repro`` resumes from the newest
-       one), curves with dvclive in ``--live``. The final model is saved as ``model/``, a self-contained HF
+       one when params, input files and every phase's data are the same, :func:`mars.train.data.dialogues_digest`;
+       else the phases start afresh), curves with dvclive in ``--live``. The final model is saved as ``model/``, a self-contained HF
        checkpoint directory (weights, config, tokenizer, processor, chat template).
 
 Deviations: the paper's teacher is a strong VLM with about 3k cold-start trajectories; the default's teacher is
@@ -357,7 +358,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.model.build import count_params, save_checkpoint
     from mars.tools.base import TOOL_SCHEMAS
     from mars.train.checkpoint import fingerprint
-    from mars.train.data import render_examples
+    from mars.train.data import dialogues_digest, render_examples
     from mars.train.sft import train_sft
 
     _check_scene(params, scene)  # before the teacher's minutes
@@ -373,10 +374,12 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     pretrain = pretrain_dialogues(params, agent, inputs["world_dir"], inputs["index_dir"], all_questions, scene, system)
     locate = locate_block_dialogues(params, scene, system)
     model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
-    examples = render_examples(trajectory_dialogues(params, trajs, inputs["world_dir"]), proc, params.max_len,
-                               desc="rendering trajectories")
+    dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
+    examples = render_examples(dialogues, proc, params.max_len, desc="rendering trajectories")
     _check_masks(examples, tok)
-    fp = fingerprint(params, agent, _file_hash(inputs["questions"]), len(examples))
+    # the data of every phase is in the fingerprint: a change of code that changes it does not resume old weights
+    digests = [dialogues_digest(d) for d in (dialogues, pretrain, locate)]
+    fp = fingerprint(params, agent, _file_hash(inputs["questions"]), len(examples), digests)
     pre_stats: dict = {}
     pool: list = []  # phase 1's and the block's examples, which phase 2 mixes in
     with atomic_dir(outputs["out"]) as out:

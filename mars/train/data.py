@@ -9,12 +9,15 @@ What it does
     (``epoch``, ``offset``) is part of a training checkpoint, so a resumed run sees the same batches.
     :func:`collate` right-pads a list of rendered examples into one batch with ``labels`` = the next token where
     the loss mask is 1 and -100 elsewhere.
+    :func:`dialogues_digest` hashes what a phase trains on (roles, texts, image pixels), so a checkpoint is only
+    resumed by a run that trains on the same data, whatever code or input produced it.
 
 Run the tests: ``.venv/bin/python -m pytest tests/train -q``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -27,7 +30,8 @@ from tqdm import tqdm
 
 from mars.model.chat import Rendered, render
 
-__all__ = ["dialogue_from_row", "render_examples", "EpochSampler", "collate", "Batch", "label_logits"]
+__all__ = ["dialogue_from_row", "dialogues_digest", "render_examples", "EpochSampler", "collate", "Batch",
+           "label_logits"]
 log = logging.getLogger(__name__)
 
 
@@ -53,6 +57,28 @@ def dialogue_from_row(messages_json: str, images: list[bytes]) -> list[dict]:
             content = parts
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def dialogues_digest(dialogues: list[list[dict]]) -> str:
+    """A 16-hex-digit hash of ``dialogues``: every message's role, text and image (mode, size and pixels), in order.
+
+    Training checkpoints carry it in their fingerprint: a change of the data (new drill wording, a teacher fix, other
+    renders), not only of params or input files, then starts a phase afresh instead of resuming the old run's
+    weights. Hashing 2,000 localisation drills (their scenes' pixels) takes about a second."""
+    h = hashlib.blake2b(digest_size=8)
+    for dialogue in dialogues:
+        for m in dialogue:
+            h.update(b"\x02" + str(m["role"]).encode())
+            content = m["content"]
+            for part in ([{"type": "text", "text": content}] if isinstance(content, str) else content):
+                if part.get("type") == "image":
+                    im = part["image"]
+                    h.update(f"\x03{im.mode}{im.size}".encode())
+                    h.update(im.tobytes())
+                else:
+                    h.update(b"\x04" + str(part.get("text", "")).encode())
+        h.update(b"\x01")
+    return h.hexdigest()
 
 
 def render_examples(dialogues: list[list[dict]], processor, max_len: int, desc: str = "rendering") -> list[Rendered]:

@@ -40,8 +40,8 @@ What it does
     :func:`rename_dialogues` (``sft.trajectory_names``) applies the same renaming to whole dialogues, the teacher
     trajectories of phase 2: no real name is trained on, so none can be recalled instead of copied. Measured
     (README, "search chain"): the SFT model's queries copied the top-1 title in 41% of search and multi-hop episodes
-    (16% with real names) and the answer was in the text-search result in 38% (18%), but it answered only a fifth
-    of those right, and its accuracy did not rise (10.8% against 15.8%), so it is off by default.
+    (11-16% in three runs with real names) and the answer was in the text-search result in 38% (10-18%), but it
+    answered only a fifth of those right, and its accuracy did not rise (10.8% against 15.8%): off by default.
 
 Deviation from the paper (and why)
     The paper's policy starts from an LLM that can already copy a name from its context. The embedded default's

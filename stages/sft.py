@@ -37,8 +37,9 @@ What it does
        schedule, clipping, accumulation, optional DeepSpeed ZeRO-2/3, checkpoints every ``checkpoint_every``
        steps into ``--checkpoints`` (kept by DVC across runs: a killed ``dvc repro`` resumes from the newest
        one when params, input files and every phase's data are the same, :func:`mars.train.data.dialogues_digest`;
-       else the phases start afresh), curves with dvclive in ``--live``. The final model is saved as ``model/``, a self-contained HF
-       checkpoint directory (weights, config, tokenizer, processor, chat template).
+       else the phases start afresh; phase 0's crops are drawn from params alone and are not hashed), curves with
+       dvclive in ``--live``. The final model is saved as ``model/``, a self-contained HF checkpoint directory
+       (weights, config, tokenizer, processor, chat template).
 
 Deviations: the paper's teacher is a strong VLM with about 3k cold-start trajectories; the default's teacher is
 scripted over the generated world (imperfect on purpose) and SFT sees a few hundred trajectories. The paper starts

@@ -64,7 +64,7 @@ def dialogues_digest(dialogues: list[list[dict]]) -> str:
 
     Training checkpoints carry it in their fingerprint: a change of the data (new drill wording, a teacher fix, other
     renders), not only of params or input files, then starts a phase afresh instead of resuming the old run's
-    weights. Hashing 2,000 localisation drills (their scenes' pixels) takes about a second."""
+    weights. Hashing the default's 329 teacher trajectories (their images' pixels) took 0.16 s."""
     h = hashlib.blake2b(digest_size=8)
     for dialogue in dialogues:
         for m in dialogue:

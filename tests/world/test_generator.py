@@ -349,6 +349,35 @@ def test_corpus_states_the_facts_of_every_entity(world) -> None:
                 assert fact in d["text"], (fact, d["text"])
 
 
+def test_plain_corpus_puts_each_fact_after_its_cue_and_varied_is_unchanged() -> None:
+    import re
+
+    from mars.world.generate import corpus_rows, make_entities
+    from mars.world.text import Facts, entity_documents
+
+    facts = Facts(kind="institute", founded_year=1846, city="Thimhaven", founder="Arir Ionubruth")
+    docs = entity_documents(np.random.default_rng(3), "Olath Institute", facts, 12, "plain")
+    assert len({text.split(";")[0] for _, text in docs}) == 4  # all four templates in use
+    for _, text in docs:
+        assert re.search(r"founded in 1846\b", text) and "in the city of Thimhaven" in text, text
+        assert "its founder was Arir Ionubruth" in text, text
+        # the cues appear once each in the fact sentence(s): no second year, city or founder cue to confuse
+        head = text.split(" Its archive")[0]
+        assert head.count("founded in") == 1 and head.count("city of") == 1 and head.count("founder was") == 1
+    # the varied style is the default and draws the same random numbers as before the plain style existed:
+    # entity_documents(rng, ..., "varied") == entity_documents(rng, ...)
+    a = entity_documents(np.random.default_rng(3), "Olath Institute", facts, 3)
+    b = entity_documents(np.random.default_rng(3), "Olath Institute", facts, 3, "varied")
+    assert a == b and a[0][1] != docs[0][1]
+    with pytest.raises(ValueError, match="unknown corpus style 'terse'"):
+        entity_documents(np.random.default_rng(0), "X", facts, 1, "terse")
+    with pytest.raises(ValueError, match=r"WorldSpec: corpus_style must be one of \['plain', 'varied'\]"):
+        WorldSpec.smoke(corpus_style="terse")
+    spec = WorldSpec.smoke(corpus_style="plain")
+    rows = corpus_rows(spec, make_entities(spec))
+    assert rows and all("its founder was" in r["text"] for r in rows)
+
+
 def _one_letter_apart(a: str, b: str) -> bool:
     return len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1
 

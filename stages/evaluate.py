@@ -12,8 +12,8 @@ What it does
     Each question is played ``k`` times (Avg@k; sample 0 is Pass@1) with ``temperature`` and ``seed`` recorded.
     Scoring: the shared rule judge, or ``judge: llm`` on an endpoint; the judge's identity is in every row.
     Resumable: finished chunks of samples are appended to ``--progress`` (kept by DVC across runs), keyed by a
-    fingerprint of the model weights, the benchmark and the params; an interrupted run continues, a rerun with the
-    same inputs scores nothing again, and every sample is scored exactly once (checked).
+    fingerprint of the model weights, the benchmark, the params and the code (``mars`` and ``stages``); an interrupted
+    run continues, a rerun with the same inputs and code scores nothing again, and every sample is scored exactly once (checked).
 
 Outputs (``--out``): ``results.parquet`` (RESULTS schema), ``report.html`` (self-contained, every trajectory),
 ``plots/accuracy.csv`` and ``plots/tool_calls.csv`` (``dvc plots show``); ``--metrics``: accuracy per
@@ -124,8 +124,9 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.eval.loaders import load_benchmark
     from mars.eval.report import write_report
     from mars.eval.run import ResultStore, evaluate_model, first_zoom_framed, plot_rows, search_chain, summarize
-    from mars.train.checkpoint import fingerprint
+    from mars.train.checkpoint import fingerprint, source_digest
 
+    code = source_digest()  # a code change (judge, engine, tools) re-scores instead of reusing the stored episodes
     specs = [{"format": "synth", "name": "test", "path": str(inputs["questions"]),
               "image_root": str(inputs["image_root"]), "split": "test"}] + [dict(b) for b in params.benchmarks]
     benches = [(s, load_benchmark(s).to_pylist()) for s in specs]
@@ -147,7 +148,9 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                 log.info("skipping oracle on %s: the oracle needs the generated world's truth", spec.get("name"))
                 continue
             ident = _weights_hash(detail) if kind == "checkpoint" else str(detail)
-            key = f"{model}__{workflow}__{fingerprint(ident, _bench_hash(rows), agent, params.k, params.temperature, params.seed, params.judge, params.judge_model)}"
+            fp = fingerprint(ident, _bench_hash(rows), agent, params.k, params.temperature, params.seed, params.judge,
+                             params.judge_model, code)
+            key = f"{model}__{workflow}__{fp}"
             store = ResultStore(outputs["progress"], key)
             if kind == "scripted" and model == "oracle":
                 ids = [r["id"] for r in rows]

@@ -63,6 +63,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mars.agent.config import AgentParams
+from mars.agent.protocol import content_text
 from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import ENTITIES, QUESTIONS
@@ -247,9 +248,7 @@ def tokenizer_texts(world_dir: Path, questions: list[dict], trajs: list, system:
     texts += [r["name"] for r in read_table(world_dir / "entities.parquet", ENTITIES).to_pylist()]
     texts += [q["question"] for q in questions]
     for t in trajs:
-        for m in t.messages:
-            c = m["content"]
-            texts.append(c if isinstance(c, str) else " ".join(p.get("text", "") for p in c if p.get("type") == "text"))
+        texts += [content_text(m["content"], " ") for m in t.messages]
     texts += [system] * 20
     return texts
 
@@ -358,7 +357,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.agent.protocol import compact_system_prompt, system_prompt
     from mars.model.build import count_params, save_checkpoint
     from mars.tools.base import TOOL_SCHEMAS
-    from mars.train.checkpoint import fingerprint
+    from mars.train.checkpoint import fingerprint, source_digest
     from mars.train.data import dialogues_digest, render_examples
     from mars.train.sft import train_sft
 
@@ -378,9 +377,10 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
     examples = render_examples(dialogues, proc, params.max_len, desc="rendering trajectories")
     _check_masks(examples, tok)
-    # the data of every phase is in the fingerprint: a change of code that changes it does not resume old weights
+    # the data of every phase and the code are in the fingerprint: a code change never resumes old weights (the
+    # data digests also name what changed in the data)
     digests = [dialogues_digest(d) for d in (dialogues, pretrain, locate)]
-    fp = fingerprint(params, agent, _file_hash(inputs["questions"]), len(examples), digests)
+    fp = fingerprint(params, agent, _file_hash(inputs["questions"]), len(examples), digests, source_digest())
     pre_stats: dict = {}
     pool: list = []  # phase 1's and the block's examples, which phase 2 mixes in
     with atomic_dir(outputs["out"]) as out:

@@ -54,7 +54,7 @@ from PIL import Image
 
 from mars.agent.backends import ScriptedBackend
 from mars.agent.engine import EngineConfig, Trajectory, run_episodes
-from mars.agent.protocol import format_answer, format_tool_call
+from mars.agent.protocol import content_text, format_answer, format_tool_call
 
 __all__ = [
     "World",
@@ -161,10 +161,7 @@ def _n_assistant(dialogue: list[dict]) -> int:
 def _last_user_text(dialogue: list[dict]) -> str:
     for m in reversed(dialogue):
         if m["role"] == "user":
-            c = m["content"]
-            if isinstance(c, str):
-                return c
-            return "\n".join(p.get("text", "") for p in c if p.get("type") == "text")
+            return content_text(m["content"])
     return ""
 
 
@@ -279,8 +276,7 @@ def no_tool_policy(dialogue: list[dict]) -> str:
     text = ""
     for m in dialogue:
         if m["role"] == "user":
-            c = m["content"]
-            text = c if isinstance(c, str) else " ".join(p.get("text", "") for p in c if p.get("type") == "text")
+            text = content_text(m["content"], " ")
             break
     kind = _question_kind({"question": text})
     if "option's letter" in text:

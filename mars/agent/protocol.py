@@ -48,6 +48,7 @@ __all__ = [
     "FormatError",
     "ParsedTurn",
     "TOOL_NAMES",
+    "content_text",
     "format_answer",
     "format_error_observation",
     "format_tool_call",
@@ -389,6 +390,18 @@ def format_tool_response(text: str, n_images: int = 0) -> str:
     if n_images < 0:
         raise ValueError("n_images must be >= 0")
     return f"<tool_response>\n{text}\n</tool_response>"
+
+
+def content_text(content: Any, sep: str = "\n") -> str:
+    """The text of a message's ``content``: the string itself, or its text items joined by ``sep`` (image items
+    skipped; None gives "").
+
+    >>> content_text([{"type": "text", "text": "a"}, {"type": "image"}, {"type": "text", "text": "b"}], " ")
+    'a b'
+    """
+    if isinstance(content, str):
+        return content
+    return sep.join(p.get("text", "") for p in content or [] if p.get("type") == "text")
 
 
 _EXPECTED_FORMAT = (

@@ -234,12 +234,6 @@ def first_zoom_framed(results: pa.Table, scene_of: dict[str, str | None], truth:
     return {mw: {"first_zoom_framed": round(hit / n, 4), "scene_episodes": n} for mw, (hit, n) in counts.items()}
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    return "\n".join(p.get("text", "") for p in content or [] if p.get("type") == "text")
-
-
 def search_chain(results: pa.Table, questions: dict[str, dict], names: dict[str, str]) -> dict:
     """The search chain per ``"model/workflow"``, over result rows of search and multi-hop questions.
 
@@ -254,7 +248,7 @@ def search_chain(results: pa.Table, questions: dict[str, dict], names: dict[str,
     questions are left out."""
     import json
 
-    from mars.agent.protocol import parse_turn
+    from mars.agent.protocol import content_text, parse_turn
     from mars.agent.teacher import titles_from_observation
 
     counts: dict[str, list[int]] = {}  # [episodes, top1 right, query copies, snippet has answer, right | snippet]
@@ -267,16 +261,16 @@ def search_chain(results: pa.Table, questions: dict[str, dict], names: dict[str,
         last = None  # the tool the last assistant turn called
         for m in json.loads(r["messages_json"] or "[]"):
             if m["role"] == "assistant":
-                turn = parse_turn(_text(m["content"]))
+                turn = parse_turn(content_text(m["content"]))
                 last = turn if turn.action == "tool_call" else None
                 continue
             if m["role"] != "user" or last is None:
                 continue
             if last.tool_name == "image_search" and top is None:
-                titles = titles_from_observation(_text(m["content"]))
+                titles = titles_from_observation(content_text(m["content"]))
                 top = titles[0] if titles else ""
             elif last.tool_name == "text_search" and top is not None and query is None:
-                query, snippet = str((last.arguments or {}).get("query", "")).strip(), _text(m["content"])
+                query, snippet = str((last.arguments or {}).get("query", "")).strip(), content_text(m["content"])
                 break
             last = None
         answer = str(q["answer"]).lower()

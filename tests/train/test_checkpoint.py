@@ -1,0 +1,47 @@
+"""mars.train.checkpoint: the code digest the stages put in their fingerprints, and resumption by fingerprint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mars.train.checkpoint import fingerprint, latest_state, save_state, source_digest
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_source_digest_sees_every_code_change_and_nothing_else(tmp_path: Path) -> None:
+    a = _tree(tmp_path / "a", {"pkg/__init__.py": "", "pkg/loss.py": "def loss(x):\n    return x\n"})
+    b = _tree(tmp_path / "b", {"stage.py": "print(1)\n"})
+    d0 = source_digest([a, b])
+    assert d0 == source_digest([a, b]) and len(d0) == 16
+    (a / "notes.md").write_text("not code")  # a non-Python file does not count
+    assert source_digest([a, b]) == d0
+    (a / "pkg/loss.py").write_text("def loss(x):\n    return -x\n")  # a changed loss
+    d1 = source_digest([a, b])
+    assert d1 != d0
+    (a / "pkg/loss.py").rename(a / "pkg/losses.py")  # same bytes, another module name
+    assert source_digest([a, b]) not in (d0, d1)
+    (a / "pkg/losses.py").rename(a / "pkg/loss.py")
+    assert source_digest([a, b]) == d1
+    # the same file under the other root is another tree
+    (b / "stage.py").rename(b / "x.py")
+    moved = source_digest([a, b])
+    (b / "x.py").rename(a / "x.py")
+    assert source_digest([a, b]) != moved
+    # default roots: this project's mars and stages packages
+    assert source_digest() == source_digest()
+
+
+def test_a_changed_fingerprint_does_not_resume(tmp_path: Path) -> None:
+    code_old, code_new = "aaaa", "bbbb"
+    fp_old = fingerprint({"lr": 1e-3}, code_old)
+    save_state(tmp_path, 10, {"fingerprint": fp_old, "step": 10, "w": torch.ones(2)})
+    assert latest_state(tmp_path, fp_old)["step"] == 10
+    assert latest_state(tmp_path, fingerprint({"lr": 1e-3}, code_new)) is None  # new code: start afresh

@@ -1,8 +1,9 @@
 """Training checkpoints (model, optimizer, scheduler, RNG states, step, sampler position) and curve resumption.
 
 What it does
-    :func:`save_state` writes ``<dir>/step-<NNNNNN>/state.pt`` atomically (staging directory + rename) and keeps
-    the newest ``keep`` of them; :func:`latest_state` loads the newest one whose ``fingerprint`` (a hash of the
+    :func:`save_state` writes ``<dir>/step-<NNNNNN>/state.pt`` (and its fingerprint in ``fingerprint.txt``)
+    atomically (staging directory + rename), removes the checkpoints of other fingerprints and keeps the newest
+    ``keep`` of its own; :func:`latest_state` loads the newest one whose ``fingerprint`` (a hash of the
     run's params and inputs) matches, so a changed run starts fresh instead of resuming someone else's state.
     :func:`source_digest` hashes the project's code (the ``mars`` and ``stages`` packages): the stages put it in
     their fingerprints, so a code change (a reward, a loss, a judge) never resumes state made by the old code.
@@ -33,6 +34,7 @@ from mars.data.io import atomic_dir
 __all__ = ["fingerprint", "source_digest", "save_state", "latest_state", "rng_state", "set_rng_state", "truncate_live", "open_live"]
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d{6,})$")
+_FP_FILE = "fingerprint.txt"
 
 
 def fingerprint(*parts: Any) -> str:
@@ -67,14 +69,30 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def _stored_fingerprint(step_dir: Path) -> str | None:
+    f = step_dir / _FP_FILE
+    return f.read_text().strip() if f.is_file() else None
+
+
 def save_state(ckpt_dir: str | Path, step: int, state: dict, keep: int = 2) -> Path:
-    """Write ``state`` (anything ``torch.save`` takes) as step ``step``; prune all but the newest ``keep``."""
+    """Write ``state`` (anything ``torch.save`` takes) as step ``step``, its ``fingerprint`` beside it in a small
+    text file; prune every checkpoint of another fingerprint (an earlier run with other params, inputs or code,
+    whose higher step numbers would otherwise outlive this run's checkpoints) and all but the newest ``keep``."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / f"step-{step:06d}"
+    fp = state.get("fingerprint")
     with atomic_dir(path) as tmp:
         torch.save(state, tmp / "state.pt")
+        if fp is not None:
+            (tmp / _FP_FILE).write_text(str(fp))
     steps = sorted((p for p in ckpt_dir.iterdir() if _STEP.match(p.name)), key=lambda p: int(_STEP.match(p.name)[1]))
+    if fp is not None:
+        stale = [p for p in steps if _stored_fingerprint(p) != str(fp)]
+        for old in stale:
+            log.info("removing checkpoint %s of another run (params, inputs or code changed)", old)
+            shutil.rmtree(old, ignore_errors=True)
+        steps = [p for p in steps if p not in stale]
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path
@@ -90,6 +108,10 @@ def latest_state(ckpt_dir: str | Path, fp: str) -> dict | None:
         f = p / "state.pt"
         if not f.is_file():
             continue
+        stored = _stored_fingerprint(p)
+        if stored is not None and stored != fp:
+            log.info("checkpoint %s belongs to another run (params, inputs or code changed); starting fresh", p)
+            return None
         try:
             state = torch.load(f, map_location="cpu", weights_only=False)
         except Exception as exc:  # a torn file from a kill: try the previous one

@@ -39,9 +39,25 @@ def test_source_digest_sees_every_code_change_and_nothing_else(tmp_path: Path) -
     assert source_digest() == source_digest()
 
 
-def test_a_changed_fingerprint_does_not_resume(tmp_path: Path) -> None:
-    code_old, code_new = "aaaa", "bbbb"
-    fp_old = fingerprint({"lr": 1e-3}, code_old)
-    save_state(tmp_path, 10, {"fingerprint": fp_old, "step": 10, "w": torch.ones(2)})
-    assert latest_state(tmp_path, fp_old)["step"] == 10
-    assert latest_state(tmp_path, fingerprint({"lr": 1e-3}, code_new)) is None  # new code: start afresh
+def _steps(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def test_a_changed_fingerprint_starts_afresh_and_its_checkpoints_outlive_the_old_runs(tmp_path: Path) -> None:
+    fp_old, fp_new = fingerprint({"lr": 1e-3}, "code-a"), fingerprint({"lr": 1e-3}, "code-b")
+    for step in (100, 200, 300):
+        save_state(tmp_path, step, {"fingerprint": fp_old, "step": step, "w": torch.ones(2)})
+    assert _steps(tmp_path) == ["step-000200", "step-000300"]  # keep=2
+    assert latest_state(tmp_path, fp_old)["step"] == 300
+    assert latest_state(tmp_path, fp_new) is None  # new code: start afresh
+    # the new run's first checkpoint (a lower step) removes the old run's: before, pruning by step number kept
+    # steps 200 and 300 and deleted step 50 at once, so a kill of the new run could never resume
+    save_state(tmp_path, 50, {"fingerprint": fp_new, "step": 50, "w": torch.zeros(2)})
+    assert _steps(tmp_path) == ["step-000050"]
+    assert (tmp_path / "step-000050" / "fingerprint.txt").read_text() == fp_new
+    save_state(tmp_path, 100, {"fingerprint": fp_new, "step": 100, "w": torch.zeros(2)})
+    save_state(tmp_path, 150, {"fingerprint": fp_new, "step": 150, "w": torch.zeros(2)})
+    assert _steps(tmp_path) == ["step-000100", "step-000150"]
+    state = latest_state(tmp_path, fp_new)
+    assert state["step"] == 150 and torch.equal(state["w"], torch.zeros(2))
+    assert latest_state(tmp_path, fp_old) is None

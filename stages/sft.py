@@ -26,8 +26,9 @@ What it does
        or copy names from its context, and the multimodal trajectories are too costly per step to teach it);
        checkpoints in ``--checkpoints``/pretrain. With ``locate_steps`` > 0 the vision drills (localisation drills
        and zoom captions, :func:`vision_drills`) are not mixed into phase 1 but get a block of their own after it:
-       ``locate_steps`` steps on them alone (rates ``lr`` and ``vision_lr``; checkpoints in
-       ``--checkpoints``/locate), dedicated practice a random-init vision tower needs (README: localisation).
+       ``locate_steps`` steps on them and a seeded ``locate_mix`` share of phase 1's examples (rates ``lr`` and
+       ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision tower needs
+       (README: localisation); without phase 1's examples the block erased the copying phase 1 taught (README).
     4. Training on the teacher trajectories (with ``trajectory_names: new`` or ``world`` their organisation and
        founder names replaced by stand-ins, a fresh set per trajectory, as in the drills:
        :func:`trajectory_dialogues`; measured in the README, off by default), with a seeded ``mix_pretrain`` share
@@ -95,6 +96,7 @@ class Params:
     pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
     locate_steps: int = 0  # > 0: the pretrain_locate drills get a block of their own, these steps after phase 1
     mix_pretrain: float = 0.0  # share of phase 2's examples drawn from phase 1's data (so its skills are kept)
+    locate_mix: float = 0.0  # share of the localisation block's examples drawn from phase 1's data (likewise)
     vision_pretrain_steps: int = 0  # phase 0: the vision tower learns to read zoomed emblems (mars.train.vision)
     vision_pretrain_images: int = 4000  # its labelled zoom crops (a new emblem each)
     vision_pretrain_lr: float = 5e-4
@@ -162,8 +164,9 @@ class Params:
             if self.vision_pretrain_images < self.batch_size:
                 raise ValueError(f"sft.vision_pretrain_images must be >= sft.batch_size ({self.batch_size}), got "
                                  f"{self.vision_pretrain_images}")
-        if not 0.0 <= self.mix_pretrain < 1.0:
-            raise ValueError(f"sft.mix_pretrain must be in [0, 1), got {self.mix_pretrain}")
+        for k in ("mix_pretrain", "locate_mix"):
+            if not 0.0 <= getattr(self, k) < 1.0:
+                raise ValueError(f"sft.{k} must be in [0, 1), got {getattr(self, k)}")
         if self.pretrain_lr < 0:
             raise ValueError(f"sft.pretrain_lr must be >= 0 (0 = sft.lr), got {self.pretrain_lr}")
         if self.locate_steps and not self.pretrain_locate:
@@ -396,10 +399,15 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                 continue
             block = render_examples(dialogues, proc, params.max_len, desc=f"rendering {name} data")
             _check_masks(block, tok)
-            res = train_sft(model, block, config(), pad_id=tok.pad_token_id, ckpt_dir=outputs["checkpoints"] / name,
-                            live_dir=None, fp=fingerprint(fp, name, len(block)))
+            # the block keeps seeing phase 1's data: alone, its 600 steps erased the copying (README, Results)
+            kept = _mix(pool, len(block), params.locate_mix, params.seed) if name == "locate" else []
+            res = train_sft(model, block + kept, config(), pad_id=tok.pad_token_id,
+                            ckpt_dir=outputs["checkpoints"] / name, live_dir=None,
+                            fp=fingerprint(fp, name, len(block), len(kept)))
             pre_stats |= {f"{name}_examples": len(block), f"{name}_loss_first": res["loss_first"],
                           f"{name}_loss_final": res["loss_final"], f"{name}_tokens_per_s": res["tokens_per_s"]}
+            if kept:
+                pre_stats[f"{name}_mixed_examples"] = len(kept)
             pool += block
         mixed = _mix(pool, len(examples), params.mix_pretrain, params.seed)
         del pool, pretrain, locate  # the pixels of what is not mixed in are not needed in phase 2

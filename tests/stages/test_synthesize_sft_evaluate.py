@@ -294,6 +294,8 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
         load_params("sft", sft.Params, write_params(tmp_path, "nol", profile={"sft": {"locate_steps": 5}}))
     with pytest.raises(ValueError, match="sft.locate_steps must be >= 0"):
         load_params("sft", sft.Params, write_params(tmp_path, "negl", profile={"sft": {"locate_steps": -1}}))
+    with pytest.raises(ValueError, match=r"sft.locate_mix must be in \[0, 1\), got 1.0"):
+        load_params("sft", sft.Params, write_params(tmp_path, "mix1", profile={"sft": {"locate_mix": 1.0}}))
     # with a block of their own the vision drills (localisation, zoom captions) are not phase 1's: it needs other data
     only = {"pretrain_steps": 5, "pretrain_drills": 0, "pretrain_captions": 0, "pretrain_locate": 4, "locate_steps": 3,
             "pretrain_zoom_captions": 4}
@@ -356,7 +358,7 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
              "pretrain_drills": 16, "pretrain_locate": 4, "locate_steps": 4, "pretrain_zoom_captions": 4,
-             "mix_pretrain": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16}
+             "mix_pretrain": 0.25, "locate_mix": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16}
     params = write_params(tmp_path, "short", profile={"sft": short})
     fp = load_params("sft", sft.Params, params)
     scene = world.world_spec(load_params("world", world.Params, params)).scene_config()  # as the CLI reads it
@@ -382,6 +384,8 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     # checkpoints instead of training it again
     assert m["pretrain_examples"] == straight_m["pretrain_examples"] == 24  # 8 captions + 16 drills
     assert m["locate_examples"] == straight_m["locate_examples"] == 8  # 4 localisation drills + 4 zoom captions
+    # the block keeps seeing phase 1's examples: a quarter of its examples, round(0.25 / 0.75 * 8) = 3
+    assert m["locate_mixed_examples"] == straight_m["locate_mixed_examples"] == 3
     assert m["locate_loss_final"] == pytest.approx(straight_m["locate_loss_final"], abs=1e-6)
     assert (ckpt / "locate" / f"step-{fp.locate_steps:06d}").is_dir()
     # phase 2 mixes in a quarter of phase-1 examples: one per three trajectories, the same draw after the resume

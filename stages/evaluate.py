@@ -12,8 +12,9 @@ What it does
     Each question is played ``k`` times (Avg@k; sample 0 is Pass@1) with ``temperature`` and ``seed`` recorded.
     Scoring: the shared rule judge, or ``judge: llm`` on an endpoint; the judge's identity is in every row.
     Resumable: finished chunks of samples are appended to ``--progress`` (kept by DVC across runs), keyed by a
-    fingerprint of the model weights, the benchmark, the params and the code (``mars`` and ``stages``); an interrupted
-    run continues, a rerun with the same inputs and code scores nothing again, and every sample is scored exactly once (checked).
+    fingerprint of the model weights, the benchmark, the params and the code (``mars`` and ``stages``); an
+    interrupted run continues, a rerun with the same inputs and code scores nothing again, and every sample is
+    scored exactly once (checked).
 
 Outputs (``--out``): ``results.parquet`` (RESULTS schema), ``report.html`` (self-contained, every trajectory),
 ``plots/accuracy.csv`` and ``plots/tool_calls.csv`` (``dvc plots show``); ``--metrics``: accuracy per

@@ -31,7 +31,8 @@ import torch
 
 from mars.data.io import atomic_dir
 
-__all__ = ["fingerprint", "source_digest", "save_state", "latest_state", "rng_state", "set_rng_state", "truncate_live", "open_live"]
+__all__ = ["fingerprint", "source_digest", "save_state", "latest_state", "rng_state", "set_rng_state",
+           "truncate_live", "open_live"]
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d{6,})$")
 _FP_FILE = "fingerprint.txt"

@@ -257,8 +257,8 @@ def corpus_rows(spec: WorldSpec, entities: Sequence[Entity]) -> list[dict[str, A
     rows = []
     for k, e in enumerate(entities):
         rng = np.random.default_rng([spec.seed, STREAM_DOCS, k])
-        for j, (title, text) in enumerate(entity_documents(rng, e.name, e.facts, spec.docs_per_entity,
-                                                                    spec.corpus_style)):
+        docs = entity_documents(rng, e.name, e.facts, spec.docs_per_entity, spec.corpus_style)
+        for j, (title, text) in enumerate(docs):
             rows.append(dict(doc_id=f"{e.entity_id}-{j}", entity_id=e.entity_id, title=title, text=text,
                              is_distractor=e.is_distractor))
     return rows

@@ -380,8 +380,8 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
     examples = render_examples(dialogues, proc, params.max_len, desc="rendering trajectories")
     _check_masks(examples, tok)
-    # the data of every phase and the code are in the fingerprint: a code change never resumes old weights (the
-    # data digests also name what changed in the data)
+    # the code and every phase's data are in the fingerprint: a code change never resumes old weights, nor does
+    # a change of the world or index inputs, which the questions file's hash does not cover
     digests = [dialogues_digest(d) for d in (dialogues, pretrain, locate)]
     fp = fingerprint(params, agent, _file_hash(inputs["questions"]), len(examples), digests, source_digest())
     pre_stats: dict = {}

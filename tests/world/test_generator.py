@@ -364,11 +364,20 @@ def test_plain_corpus_puts_each_fact_after_its_cue_and_varied_is_unchanged() -> 
         # the cues appear once each in the fact sentence(s): no second year, city or founder cue to confuse
         head = text.split(" Its archive")[0]
         assert head.count("founded in") == 1 and head.count("city of") == 1 and head.count("founder was") == 1
-    # the varied style is the default and draws the same random numbers as before the plain style existed:
-    # entity_documents(rng, ..., "varied") == entity_documents(rng, ...)
+    # the varied style is the default and gives the documents it gave before the plain style existed (these
+    # three were printed by mars/world/text.py of commit 6f348da with the same seed)
     a = entity_documents(np.random.default_rng(3), "Olath Institute", facts, 3)
     b = entity_documents(np.random.default_rng(3), "Olath Institute", facts, 3, "varied")
-    assert a == b and a[0][1] != docs[0][1]
+    assert a == b == [
+        ("Olath Institute", "Olath Institute (institute, Thimhaven) was founded in 1846; the founder was Arir "
+                            "Ionubruth."),
+        ("Olath Institute - overview", "Located in Thimhaven, Olath Institute dates back to 1846, when Arir Ionubruth "
+                                       "founded the institute. The institute published its first report a few years "
+                                       "later."),
+        ("Olath Institute - history", "In 1846, Arir Ionubruth founded Olath Institute, an institute in the city of "
+                                      "Thimhaven. A small exhibition tells its story to visitors. The institute "
+                                      "published its first report a few years later."),
+    ]
     with pytest.raises(ValueError, match="unknown corpus style 'terse'"):
         entity_documents(np.random.default_rng(0), "X", facts, 1, "terse")
     with pytest.raises(ValueError, match=r"WorldSpec: corpus_style must be one of \['plain', 'varied'\]"):

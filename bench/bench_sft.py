@@ -18,6 +18,9 @@ Variants (the same model init, seed, data and sampler order; interleaved rounds,
       printed separately) and each step only collates.
     - ``render per step`` (baseline, what a simple trainer does): the same ``train_sft`` loop, but ``examples`` is a
       lazy sequence whose items are rendered (tokenised + image-processed) when a batch asks for them, every step.
+    - ``pre-rendered, grouped`` (ours, ``sft.group_batches``): pre-rendered, with length-grouped batches
+      (:class:`mars.train.data.EpochSampler`): tokens/s counts real tokens, so less padding shows as more of them.
+      Its batches hold other dialogues than the plain sampler's, so its losses differ.
 
 Target: the data share of ``pre-rendered`` < 10% of step time.
 
@@ -30,7 +33,8 @@ Peak memory: ``ru_maxrss`` is per process and only grows, so each variant's peak
 5 ms while it runs (the process's ``ru_maxrss`` is printed too). The machine's load average is printed before and
 after: another job on the machine slows every variant alike, which is why the ratio is the number to read.
 
-Run: ``python bench/bench_sft.py [--dialogues 64] [--steps 3] [--batch 16] [--repeat 3] [--pixels 50176]``
+Run: ``python bench/bench_sft.py [--dialogues 64] [--steps 3] [--batch 16] [--repeat 3] [--pixels 50176]
+[--group 8]``
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--pixels", type=int, default=224 * 224, help="max pixels of the policy's view")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the fastest round of each is kept")
+    ap.add_argument("--group", type=int, default=8, help="group_batches of the length-grouped variant")
     ns = ap.parse_args(argv)
     load0 = os.getloadavg()
     torch.manual_seed(0)
@@ -161,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     init = build_model(tiny_config(len(tok)), seed=0).state_dict()
     cfg = SFTConfig(optim=OptimConfig(lr=2e-3, vision_lr=1e-2, warmup_steps=0, schedule="constant",
                                       max_steps=ns.steps), batch_size=ns.batch, checkpoint_every=10**6)
-    variants = {"pre-rendered (ours)": lambda: rendered,
-                "render per step (baseline)": lambda: LazyRendered(dialogues, proc)}
+    grouped = replace(cfg, group_batches=ns.group)
+    variants = {"pre-rendered (ours)": (lambda: rendered, cfg),
+                "render per step (baseline)": (lambda: LazyRendered(dialogues, proc), cfg),
+                f"pre-rendered, grouped x{ns.group}": (lambda: rendered, grouped)}
     names = list(variants)
     with tempfile.TemporaryDirectory() as tmp:  # warm-up (first-call costs of torch), not timed
         m = build_model(tiny_config(len(tok)), seed=0)
@@ -178,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 model.load_state_dict(init)
                 marks = [time.perf_counter()]
                 with PeakRSS() as mem:
-                    s = train_sft(model, variants[name](), cfg, pad_id=tok.pad_token_id,
-                                  ckpt_dir=Path(tmp) / f"{r}-{len(best)}-{name[:3]}", live_dir=None, fp="bench",
+                    s = train_sft(model, variants[name][0](), variants[name][1], pad_id=tok.pad_token_id,
+                                  ckpt_dir=Path(tmp) / f"{r}-{names.index(name)}", live_dir=None, fp="bench",
                                   on_step=lambda step, row: marks.append(time.perf_counter()))
                 s["step_s"] = (marks[-1] - marks[0]) / max(1, len(marks) - 1)
                 del model

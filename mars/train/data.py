@@ -5,8 +5,9 @@ What it does
     items, ``images`` as PNG bytes) back into the engine's dialogue (PIL images inline).
     :func:`render_examples` renders dialogues once, up front, with :func:`mars.model.chat.render` (token ids,
     assistant-only loss mask, pixel values), dropping those longer than ``max_len`` and saying how many.
-    :class:`EpochSampler` yields example indices in a seeded permutation per epoch; its position
-    (``epoch``, ``offset``) is part of a training checkpoint, so a resumed run sees the same batches.
+    :class:`EpochSampler` yields example indices in a seeded permutation per epoch, optionally length-grouped
+    (batches of similar length pad less); its position (``epoch``, ``offset``) is part of a training checkpoint,
+    so a resumed run sees the same batches.
     :func:`collate` right-pads a list of rendered examples into one batch with ``labels`` = the next token where
     the loss mask is 1 and -100 elsewhere.
     :func:`dialogues_digest` hashes what a phase trains on (roles, texts, image pixels), so a checkpoint is only
@@ -100,16 +101,47 @@ def render_examples(dialogues: list[list[dict]], processor, max_len: int, desc: 
 
 
 class EpochSampler:
-    """Batches of indices from a seeded permutation per epoch; ``state()`` / ``load()`` for resume."""
+    """Batches of indices from a seeded permutation per epoch; ``state()`` / ``load()`` for resume.
 
-    def __init__(self, n: int, batch_size: int, seed: int):
+    With ``lengths`` and ``group_batches`` > 1 the permutation is length-grouped (as transformers'
+    ``group_by_length``): each run of ``group_batches * batch_size`` shuffled indices is sorted by length, cut
+    into batches, and the epoch's batches are shuffled, so a batch holds examples of similar length and pads
+    less (phase 2 of the default sft: 93% of the padded tokens are real with 8, 63% without; README). Every
+    batch is then whole: a run's last batch overlaps the one before it (a few examples seen twice that epoch).
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, lengths=None, group_batches: int = 1):
         if n < 1:
             raise ValueError("no training examples")
+        if group_batches < 1:
+            raise ValueError(f"group_batches must be >= 1, got {group_batches}")
+        if lengths is not None and len(lengths) != n:
+            raise ValueError(f"lengths has {len(lengths)} entries for {n} examples")
         self.n, self.bs, self.seed = n, batch_size, seed
+        self.lengths = None if lengths is None else np.asarray(lengths)
+        self.group = group_batches
         self.epoch, self.offset = 0, 0
+        self._cache: tuple[int, np.ndarray] | None = None
 
     def _perm(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        perm = rng.permutation(self.n)
+        if self.lengths is not None and self.group > 1:
+            span = self.group * self.bs
+            batches = []
+            for s in range(0, self.n, span):
+                run = perm[s : s + span]
+                if len(run) < self.bs:  # a short tail run: filled up with the epoch's first examples
+                    run = np.concatenate([run, np.resize(perm, self.bs - len(run))])
+                run = run[np.argsort(-self.lengths[run], kind="stable")]
+                # whole batches only (an epoch stays aligned to batch_size): the last one overlaps its neighbour
+                batches += [run[min(k, len(run) - self.bs) : min(k, len(run) - self.bs) + self.bs]
+                            for k in range(0, len(run), self.bs)]
+            perm = np.concatenate([batches[i] for i in rng.permutation(len(batches))])
+        self._cache = (epoch, perm)
+        return perm
 
     def next(self) -> list[int]:
         out: list[int] = []
@@ -118,7 +150,7 @@ class EpochSampler:
             take = perm[self.offset : self.offset + self.bs - len(out)]
             out.extend(int(i) for i in take)
             self.offset += len(take)
-            if self.offset >= self.n:
+            if self.offset >= len(perm):
                 self.epoch, self.offset = self.epoch + 1, 0
         return out
 

@@ -2,9 +2,9 @@
 
 What it does
     :func:`train_sft` trains a Qwen-VL model on pre-rendered trajectories (:mod:`mars.train.data`): batches of
-    ``batch_size`` dialogues, ``grad_accum`` micro-batches per optimizer step, the loss summed over tokens whose
-    loss mask is 1 (the assistant's own tokens and its ``<|im_end|>``) and divided by their count over the whole
-    optimizer batch; AdamW with per-module learning rates, warm-up and schedule, gradient clipping
+    ``batch_size`` dialogues (of similar length with ``group_batches`` > 1: less padding), ``grad_accum``
+    micro-batches per optimizer step, the loss summed over tokens whose loss mask is 1 (the assistant's own tokens
+    and its ``<|im_end|>``) and divided by their count over the whole optimizer batch; AdamW with per-module learning rates, warm-up and schedule, gradient clipping
     (:mod:`mars.train.optim`; DeepSpeed ZeRO-2/3 when ``optim.deepspeed_stage`` asks for it); bf16 autocast when
     ``precision="bf16"`` and the device supports it. Every ``checkpoint_every`` steps it saves model, optimizer,
     scheduler, RNG states, step and sampler position (:mod:`mars.train.checkpoint`); a rerun with the same
@@ -51,10 +51,11 @@ class SFTConfig:
     keep_checkpoints: int = 2
     precision: str = "fp32"  # fp32 | bf16
     seed: int = 0
+    group_batches: int = 1  # length-grouped batches (mars.train.data.EpochSampler); 1 = plain shuffle
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.grad_accum < 1 or self.checkpoint_every < 1:
-            raise ValueError("batch_size, grad_accum and checkpoint_every must be >= 1")
+        if self.batch_size < 1 or self.grad_accum < 1 or self.checkpoint_every < 1 or self.group_batches < 1:
+            raise ValueError("batch_size, grad_accum, checkpoint_every and group_batches must be >= 1")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
 
@@ -90,7 +91,8 @@ def train_sft(
     """Train ``model`` in place (see the module docstring); returns the run summary."""
     torch.manual_seed(cfg.seed)
     stepper = make_stepper(model, cfg.optim)
-    sampler = EpochSampler(len(examples), cfg.batch_size * cfg.grad_accum, cfg.seed)
+    sampler = EpochSampler(len(examples), cfg.batch_size * cfg.grad_accum, cfg.seed,
+                           lengths=[len(e.input_ids) for e in examples], group_batches=cfg.group_batches)
     history: list[tuple[int, float]] = []
     start = 0
     state = latest_state(ckpt_dir, fp)

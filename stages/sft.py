@@ -91,6 +91,7 @@ class Params:
     pretrain_drills: int = 0  # text-only reading drills over real tool outputs (mars.synth.drills)
     pretrain_copy: int = 0  # pure copy drills: repeat a list of fresh names (mars.synth.drills.copy_drills)
     drill_names: str = "new"  # the drills' stand-in names: new (generated words) | world (the world's own words)
+    drill_chains: float = 0.0  # share of the title drills that go on to the text search and the answer
     trajectory_names: str = "real"  # phase 2's names: real | new | world (mars.synth.drills.rename_dialogues)
     pretrain_locate: int = 0  # localisation drills: zoom on the red frame of a freshly drawn scene (mars.synth.locate)
     pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
@@ -116,6 +117,7 @@ class Params:
     rope_theta: float = 10000.0
     batch_size: int = 16
     grad_accum: int = 1
+    group_batches: int = 1  # length-grouped batches: runs of this many batches sorted by length (1 = off)
     max_steps: int = 350
     lr: float = 2e-3
     pretrain_lr: float = 0.0  # phase 1's language-model rate (0 = lr; the vision rate stays vision_lr)
@@ -164,6 +166,8 @@ class Params:
             if self.vision_pretrain_images < self.batch_size:
                 raise ValueError(f"sft.vision_pretrain_images must be >= sft.batch_size ({self.batch_size}), got "
                                  f"{self.vision_pretrain_images}")
+        if not 0.0 <= self.drill_chains <= 1.0:
+            raise ValueError(f"sft.drill_chains must be in [0, 1], got {self.drill_chains}")
         for k in ("mix_pretrain", "locate_mix"):
             if not 0.0 <= getattr(self, k) < 1.0:
                 raise ValueError(f"sft.{k} must be in [0, 1), got {getattr(self, k)}")
@@ -205,7 +209,8 @@ class Params:
             clip_norm=self.clip_norm, freeze_vision=self.freeze_vision, deepspeed_stage=self.deepspeed_stage,
         )
         return SFTConfig(optim=optim, batch_size=self.batch_size, grad_accum=self.grad_accum,
-                         checkpoint_every=self.checkpoint_every, precision=self.precision, seed=self.seed)
+                         checkpoint_every=self.checkpoint_every, precision=self.precision, seed=self.seed,
+                         group_batches=self.group_batches)
 
 
 def teacher_trajectories(params: Params, agent: AgentParams, questions: list[dict], image_root: Path,
@@ -278,7 +283,7 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
                                  seed=params.seed, exclude_entities=held_out)
     drills = reading_drills(agent.toolbox(index_dir, world_dir / "gallery"), entities, gallery, world_dir / "gallery",
                             n=params.pretrain_drills, seed=params.seed, exclude_entities=held_out,
-                            rename_from=params.drill_names)
+                            chain_share=params.drill_chains, rename_from=params.drill_names)
     drills += copy_drills(entities, n=params.pretrain_copy, seed=params.seed, rename_from=params.drill_names)
     if params.locate_steps or scene is None:
         return captions + drills

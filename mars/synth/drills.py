@@ -10,7 +10,15 @@ What it does
       option letter. An observation that does not state the fact is skipped, as the teacher would fail on it;
     - ``title``: the user turn holds a real ``image_search`` observation for a gallery rendering of the entity
       (titles only; the thumbnails are left out) and a search question; the reply copies the top-1 title's name
-      into a ``text_search`` call (``"<name> <keyword>"``), as the teacher does.
+      into a ``text_search`` call (``"<name> <keyword>"``), as the teacher does;
+    - ``chain`` (a ``chain_share`` of the title drills, ``sft.drill_chains``): the title drill goes on, as an
+      episode does: the real ``text_search`` observation for that query comes back as a tool turn and the reply
+      answers the question of the first turn (the fact about the top-1 title, read as in a fact drill). In an
+      episode the question sits turns before the answer; in a fact drill it sits right before it, and the SFT
+      model's answers in episodes named the wrong fact or the wrong format (a letter for an open question) even
+      when the snippet held the answer (README, search chain). Measured with half the title drills as chains
+      (README, run I): the episodes' answers kept the asked fact and format more often, but phase 1 took 50% more
+      time and read fewer held-out facts, and accuracy did not rise: off by default.
 
     :func:`copy_drills` (optional, ``sft.pretrain_copy``): the user lists 2-5 fresh names and the reply repeats
     them, a pure copy task. Measured (README): 4,000 of them beside the 4,000 reading drills did not raise the
@@ -95,10 +103,12 @@ def reading_drills(
     exclude_entities: Iterable[str] = (),
     mcq_share: float = 0.5,
     title_share: float = 0.4,
+    chain_share: float = 0.0,
     fresh_names: bool = True,
     rename_from: str = "new",
 ) -> list[list[dict]]:
-    """``n`` drill dialogues (``[user, assistant]``, text only); see the module docstring.
+    """``n`` drill dialogues (text only; ``[user, assistant]``, four messages for a chain); see the module
+    docstring. A ``chain_share`` of the title drills go on to the text search and the answer.
 
     ``toolbox``: a :class:`mars.tools.toolbox.ToolBox` (its ``text_search`` and ``image_search`` are called);
     ``entities``: ENTITIES rows (real ones are used: ``is_distractor`` false); ``gallery``: GALLERY rows;
@@ -106,8 +116,9 @@ def reading_drills(
     """
     if n < 0:
         raise ValueError(f"the number of reading drills must be >= 0, got {n}")
-    if not (0.0 <= mcq_share <= 1.0 and 0.0 <= title_share <= 1.0):
-        raise ValueError(f"mcq_share and title_share must be in [0, 1], got {mcq_share}, {title_share}")
+    for k, v in {"mcq_share": mcq_share, "title_share": title_share, "chain_share": chain_share}.items():
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{k} must be in [0, 1], got {v}")
     if n == 0:
         return []
     excluded = set(exclude_entities)
@@ -148,26 +159,46 @@ def reading_drills(
             if not titles:
                 continue
             base = FACT_QUESTIONS[fact].format(subject=SEARCH_SUBJECT)
+            query = f"{titles[0]} {keyword}"
+            reply = format_tool_call("text_search", {"query": query}, f"Top match: {titles[0]}. Search the text for it.")
+            if chain_share and rng.random() < chain_share:  # a chain: the question's answer comes two turns later
+                found = _read(toolbox, text_obs, query, titles[0], fact, pools)
+                if found is None:
+                    continue
+                text, answer = _fact_qa(base, fact, titles[0], found[1], pools, rng if mcq else None)
+                out.append(_dialogue(obs.text, text, reply, rename, more=(found[0], answer)))
+                continue
             text, _, _ = question_text(base, fact, str(ent[fact]), pools[fact], rng if mcq else None)
-            reply = format_tool_call("text_search", {"query": f"{titles[0]} {keyword}"},
-                                     f"Top match: {titles[0]}. Search the text for it.")
             out.append(_dialogue(obs.text, text, reply, rename))
             continue
         name = ent["name"]
-        query = f"{name} {keyword}"
-        if query not in text_obs:
-            text_obs[query] = toolbox.call("text_search", {"query": query}, [])
-        obs = text_obs[query]
-        value = fact_from_observation(obs.text, name, fact, pools) if obs.error is None else None
-        if value is None:
+        found = _read(toolbox, text_obs, f"{name} {keyword}", name, fact, pools)
+        if found is None:
             continue
-        base = FACT_QUESTIONS[fact].format(subject=name)
-        text, choices, aliases = question_text(base, fact, value, pools[fact], rng if mcq else None)
-        think = f"The snippet about {name} gives {value}."
-        reply = format_answer(aliases[0], f"{think} That is option {aliases[0]}.") if choices else \
-            format_answer(value, think)
-        out.append(_dialogue(obs.text, text, reply, rename))
+        text, reply = _fact_qa(FACT_QUESTIONS[fact].format(subject=name), fact, name, found[1], pools,
+                               rng if mcq else None)
+        out.append(_dialogue(found[0], text, reply, rename))
     return out
+
+
+def _read(toolbox, cache: dict, query: str, name: str, fact: str, pools: dict) -> tuple[str, str] | None:
+    """(observation text, the fact about ``name`` it states) for a ``text_search`` of ``query`` (one call per
+    query), or None when it does not state it (the teacher would fail on it)."""
+    if query not in cache:
+        cache[query] = toolbox.call("text_search", {"query": query}, [])
+    obs = cache[query]
+    value = fact_from_observation(obs.text, name, fact, pools) if obs.error is None else None
+    return None if value is None else (obs.text, value)
+
+
+def _fact_qa(base: str, fact: str, name: str, value: str, pools: dict, rng) -> tuple[str, str]:
+    """(question text, the teacher's answer turn) for a fact ``value`` read from the snippet about ``name``; a
+    multiple-choice question when ``rng`` is given."""
+    text, choices, aliases = question_text(base, fact, value, pools[fact], rng)
+    think = f"The snippet about {name} gives {value}."
+    reply = format_answer(aliases[0], f"{think} That is option {aliases[0]}.") if choices else \
+        format_answer(value, think)
+    return text, reply
 
 
 class _Renamer:
@@ -216,10 +247,18 @@ class _Renamer:
         return [self.pattern.sub(sub, t) for t in texts]
 
 
-def _dialogue(observation: str, question: str, reply: str, rename: _Renamer | None) -> list[dict]:
+def _dialogue(observation: str, question: str, reply: str, rename: _Renamer | None,
+              more: tuple[str, ...] = ()) -> list[dict]:
+    """``[user (observation + question), assistant (reply)]``, then for a chain ``more`` = [the next observation,
+    the next reply] as a tool turn and an assistant turn; renamed consistently across all of them."""
+    texts = [observation, question, reply, *more]
     if rename is not None:
-        observation, question, reply = rename([observation, question, reply])
-    return [_user(observation, question), {"role": "assistant", "content": reply}]
+        texts = rename(texts)
+    out = [_user(texts[0], texts[1]), {"role": "assistant", "content": texts[2]}]
+    for obs, turn in zip(texts[3::2], texts[4::2]):
+        out += [{"role": "user", "content": [{"type": "text", "text": format_tool_response(obs)}]},
+                {"role": "assistant", "content": turn}]
+    return out
 
 
 def rename_dialogues(dialogues: list[list[dict]], entities: list[dict], *, seed: int = 0,
@@ -290,9 +329,11 @@ def copy_drills(entities: list[dict], *, n: int, seed: int = 0, names: tuple[int
 
 
 def drill_kind(dialogue: list[dict]) -> str:
-    """``"title"``, ``"fact"`` (:func:`reading_drills`) or ``"copy"`` (:func:`copy_drills`): which drill a
-    dialogue is (for reports and tests)."""
+    """``"title"``, ``"fact"``, ``"chain"`` (:func:`reading_drills`) or ``"copy"`` (:func:`copy_drills`): which
+    drill a dialogue is (for reports and tests)."""
     if dialogue[0]["content"][0]["text"].startswith(COPY_PROMPT):
         return "copy"
+    if len(dialogue) > 2:
+        return "chain"
     return "title" if "<tool_call>" in dialogue[-1]["content"] else "fact"
 

@@ -314,6 +314,10 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
         load_params("sft", sft.Params, write_params(tmp_path, "tn", profile={"sft": {"trajectory_names": "x"}}))
     with pytest.raises(ValueError, match=r"sft.pretokenizer must be one of \('words', 'trailing', 'bytelevel'\)"):
         load_params("sft", sft.Params, write_params(tmp_path, "pt", profile={"sft": {"pretokenizer": "spaces"}}))
+    with pytest.raises(ValueError, match=r"sft.drill_chains must be in \[0, 1\], got 1.5"):
+        load_params("sft", sft.Params, write_params(tmp_path, "dc", profile={"sft": {"drill_chains": 1.5}}))
+    with pytest.raises(ValueError, match="checkpoint_every and group_batches must be >= 1"):
+        load_params("sft", sft.Params, write_params(tmp_path, "gb", profile={"sft": {"group_batches": 0}}))
 
 
 def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):
@@ -354,11 +358,12 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     """A short run (4 steps of vision pre-training, 8 pre-training steps on captions and reading drills, 4 steps of
     the vision block (localisation drills and zoom captions), then 16 steps, a checkpoint every 4): SIGKILLed once
     a checkpoint of the last phase exists, rerun, and compared with an uninterrupted in-process run of the same
-    params (a short run keeps this test cheap)."""
+    params (a short run keeps this test cheap), with length-grouped batches and chain drills."""
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
              "pretrain_drills": 16, "pretrain_locate": 4, "locate_steps": 4, "pretrain_zoom_captions": 4,
-             "mix_pretrain": 0.25, "locate_mix": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16}
+             "mix_pretrain": 0.25, "locate_mix": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16,
+             "group_batches": 2, "drill_chains": 0.5}
     params = write_params(tmp_path, "short", profile={"sft": short})
     fp = load_params("sft", sft.Params, params)
     scene = world.world_spec(load_params("world", world.Params, params)).scene_config()  # as the CLI reads it

@@ -51,6 +51,35 @@ def test_drills_copy_from_real_observations(smoke):  # noqa: F811
             assert value in truth and value in observation
 
 
+def test_chain_drills_answer_the_first_turns_question_from_the_second_observation(smoke):  # noqa: F811
+    entities = smoke["tables"].entities.to_pylist()
+    words = {w for e in entities for w in (e["name"].split()[:-1] + e["founder"].split())}
+    plain = reading_drills(**_args(smoke, n=40, seed=4))
+    drills = reading_drills(**_args(smoke, n=40, seed=4, chain_share=1.0))
+    assert not any(drill_kind(d) == "chain" for d in plain)  # off by default: the old drills, unchanged
+    kinds = [drill_kind(d) for d in drills]
+    assert kinds.count("title") == 0 and kinds.count("chain") >= 5 and kinds.count("fact") >= 5
+    for d in drills:
+        if drill_kind(d) != "chain":
+            continue
+        assert [m["role"] for m in d] == ["user", "assistant", "user", "assistant"]
+        observation, question = d[0]["content"][0]["text"].split("\n</tool_response>\n")
+        call, answer = parse_turn(d[1]["content"]), parse_turn(d[3]["content"])
+        top = titles_from_observation(observation)[0]
+        assert call.tool_name == "text_search" and call.arguments["query"].startswith(top + " ")
+        assert "this emblem" in question and answer.action == "answer" and answer.well_formed
+        second = d[2]["content"][0]["text"]
+        assert second.startswith("<tool_response>\n") and second.endswith("\n</tool_response>")
+        value = answer.answer
+        if "\nA. " in question:  # the options are the first turn's; the answer the letter of the value read
+            value = dict(line.split(". ", 1) for line in question.splitlines()[1:5])[answer.answer]
+        assert f"The snippet about {top} gives {value}." in d[3]["content"] and value in second
+        texts = " ".join([d[0]["content"][0]["text"], d[1]["content"], second, d[3]["content"]])
+        assert not set(texts.replace("\n", " ").split()) & words  # renamed alike in all four turns
+    with pytest.raises(ValueError, match="chain_share must be in"):
+        reading_drills(**_args(smoke, n=3, chain_share=1.5))
+
+
 def test_drills_are_seeded_and_fail_clearly(smoke):  # noqa: F811
     a = reading_drills(**_args(smoke, n=8, seed=1))
     b = reading_drills(**_args(smoke, n=8, seed=1))

@@ -54,7 +54,7 @@ def _draw(sampler, steps: int) -> list[list[int]]:
 
 def test_plain_sampler_is_a_seeded_permutation_per_epoch():
     s = EpochSampler(10, 4, seed=3)
-    flat = sum(_draw(s, 5), [])  # 20 indices = two epochs, the second batch of epoch 1 straddles the boundary
+    flat = sum(_draw(s, 5), [])  # 20 indices = two epochs of 10; the third batch straddles the epoch boundary
     assert flat[:10] == list(np.random.default_rng([3, 0]).permutation(10))
     assert flat[10:20] == list(np.random.default_rng([3, 1]).permutation(10))
     assert s.state() == {"epoch": 2, "offset": 0}

@@ -6,11 +6,12 @@ What it does
     micro-batches per optimizer step, the loss summed over tokens whose loss mask is 1 (the assistant's own tokens
     and its ``<|im_end|>``) and divided by their count over the whole optimizer batch; AdamW with per-module
     learning rates, warm-up and schedule, gradient clipping (:mod:`mars.train.optim`; DeepSpeed ZeRO-2/3 when
-    ``optim.deepspeed_stage`` asks for it); bf16 autocast when ``precision="bf16"`` and the device supports it. Every ``checkpoint_every`` steps it saves model, optimizer,
-    scheduler, RNG states, step and sampler position (:mod:`mars.train.checkpoint`); a rerun with the same
-    fingerprint resumes from the newest checkpoint and reproduces the uninterrupted loss curve exactly on CPU.
-    Curves go to dvclive (``dvc plots show``); a tqdm bar shows progress. Returns a summary: steps, final and
-    first losses, tokens/s, the share of step time spent collating batches, and peak memory.
+    ``optim.deepspeed_stage`` asks for it); bf16 autocast when ``precision="bf16"`` and the device supports it.
+    Every ``checkpoint_every`` steps it saves model, optimizer, scheduler, RNG states, step and sampler position
+    (:mod:`mars.train.checkpoint`); a rerun with the same fingerprint resumes from the newest checkpoint and
+    reproduces the uninterrupted loss curve exactly on CPU. Curves go to dvclive (``dvc plots show``); a tqdm bar
+    shows progress. Returns a summary: steps, final and first losses, tokens/s, the share of step time spent
+    collating batches, and peak memory.
 
 Deviation
     The paper fine-tunes Qwen2.5-VL-7B with the vision tower frozen; on the embedded default the random-init

@@ -7,7 +7,7 @@ What it measures
     (``data/sft_ckpt/locate/step-*/state.pt`` after the block, ``data/sft_ckpt/step-*/state.pt`` in phase 2),
     on ``--n`` held-out localisation drills (:func:`mars.synth.locate.locate_dialogues` with another seed than
     training: new scenes with the world's grid, frame and clutter, the episodes' system prompt): greedy first turn,
-    the zoom's cell (:func:`mars.synth.locate.located_cell`) against the teacher's. Baselines in the same table:
+    the zoom's cell (:func:`mars.synth.locate.zoom_cell`) against the teacher's. Baselines in the same table:
     chance (one cell of the grid) and the teacher (every drill's reply, 100% by construction).
 
 Finding (README, Results, session 13): run I's block checkpoint framed 37 of 80 and its SFT checkpoint 39: the
@@ -34,22 +34,10 @@ from mars.agent.hf_backend import HFBackend  # noqa: E402
 from mars.agent.protocol import compact_system_prompt, parse_turn  # noqa: E402
 from mars.model.build import load_checkpoint  # noqa: E402
 from mars.stage import load_section  # noqa: E402
-from mars.synth.locate import located_cell  # noqa: E402
-from mars.synth.locate import locate_dialogues  # noqa: E402
+from mars.synth.locate import locate_dialogues, zoom_cell  # noqa: E402
 from mars.tools.base import TOOL_SCHEMAS  # noqa: E402
 from stages.world import Params as WorldParams  # noqa: E402
 from stages.world import world_spec  # noqa: E402
-
-
-def zoom_cell(text: str, rows: int, cols: int) -> tuple[int, int] | None:
-    """The grid cell of a turn's ``image_zoom_in`` box, or None when the turn is no such call (malformed is data)."""
-    turn = parse_turn(text)
-    if turn.action != "tool_call" or turn.tool_name != "image_zoom_in":
-        return None
-    try:
-        return located_cell([float(v) for v in turn.arguments["bbox_2d"]], rows, cols)
-    except (KeyError, TypeError, ValueError, IndexError):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{path}: not found (run `dvc repro` up to the sft stage, or pass an existing path)")
     scene = world_spec(load_section("world", WorldParams, ["--params", ns.params])).scene_config()
     drills = locate_dialogues(scene, n=ns.n, seed=ns.seed, system=compact_system_prompt(TOOL_SCHEMAS))
-    truth = [zoom_cell(d[-1]["content"], scene.grid_rows, scene.grid_cols) for d in drills]
+    truth = [zoom_cell(parse_turn(d[-1]["content"]), scene.grid_rows, scene.grid_cols) for d in drills]
     model, _, proc = load_checkpoint(ns.model)
     rows = [("chance (one cell)", ns.n / (scene.grid_rows * scene.grid_cols), 0.0),
             ("teacher", float(sum(t is not None for t in truth)), 0.0)]
@@ -75,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             model.load_state_dict(torch.load(state, map_location="cpu", weights_only=False)["model"])
         t0 = time.perf_counter()
         outs = HFBackend(model, proc).generate([d[:-1] for d in drills], max_new_tokens=96)
-        hits = sum(zoom_cell(o.text, scene.grid_rows, scene.grid_cols) == t for o, t in zip(outs, truth))
+        hits = sum(t is not None and zoom_cell(parse_turn(o.text), scene.grid_rows, scene.grid_cols) == t
+                   for o, t in zip(outs, truth))
         rows.append((label, float(hits), time.perf_counter() - t0))
     print(f"held-out localisation drills: {ns.n} new scenes (seed {ns.seed}), grid {scene.grid_rows}x{scene.grid_cols}")
     print(f"{'checkpoint':60s} {'framed':>7s} {'share':>6s} {'x chance':>8s} {'s':>5s}")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mars.agent.protocol import parse_turn
-from mars.synth.locate import locate_dialogues, located_cell
+from mars.synth.locate import locate_dialogues, located_cell, zoom_cell
 from mars.world.generate import WorldSpec
 from mars.world.scenes import CUE_COLOUR
 from mars.world.questions import FRAMED_SUBJECT, MULTIHOP_SUBJECT
@@ -22,6 +22,22 @@ def _red_cell(image, rows: int, cols: int) -> tuple[int, int]:
     counts = {(r, c): int(red[r * h // rows:(r + 1) * h // rows, c * w // cols:(c + 1) * w // cols].sum())
               for r in range(rows) for c in range(cols)}
     return max(counts, key=counts.get)
+
+
+def test_zoom_cell_reads_a_zoom_call_and_treats_anything_else_as_no_cell():
+    from mars.agent.protocol import format_tool_call, parse_turn
+
+    def cell(name, args):
+        return zoom_cell(parse_turn(format_tool_call(name, args, "look")), 2, 2)
+
+    assert cell("image_zoom_in", {"bbox_2d": [650, 150, 850, 350], "img_idx": 0}) == (0, 1)
+    assert cell("image_zoom_in", {"bbox_2d": [650, 650, 850, 850]}) == (1, 1)  # img_idx defaults to 0
+    assert cell("image_zoom_in", {"bbox_2d": [650, 650, 850, 850], "img_idx": 1}) is None  # a crop, not the scene
+    assert cell("image_zoom_in", {"bbox_2d": [650, "x", 850, 850]}) is None  # malformed box: a miss
+    assert cell("image_zoom_in", {"bbox_2d": [650]}) is None
+    assert cell("image_zoom_in", {"img_idx": 0}) is None
+    assert cell("text_search", {"query": "Larus Shipyard year"}) is None
+    assert zoom_cell(parse_turn("<answer>C</answer>"), 2, 2) is None
 
 
 def test_located_cell_maps_zoom_centres_to_cells():

@@ -207,7 +207,7 @@ def first_zoom_framed(results: pa.Table, scene_of: dict[str, str | None], truth:
     import json
 
     from mars.agent.protocol import parse_turn
-    from mars.synth.locate import zoom_cell
+    from mars.synth.locate import zoom_cell, zooms_on_scene
 
     counts: dict[str, list[int]] = {}
     for r in results.to_pylist():
@@ -221,7 +221,7 @@ def first_zoom_framed(results: pa.Table, scene_of: dict[str, str | None], truth:
             if m["role"] != "assistant" or not isinstance(m["content"], str):
                 continue
             turn = parse_turn(m["content"])
-            if turn.action != "tool_call" or turn.tool_name != "image_zoom_in" or turn.arguments.get("img_idx", 0) != 0:
+            if not zooms_on_scene(turn):
                 continue
             # a malformed box (cell None) is the model's miss, not a crash
             c[0] += zoom_cell(turn, int(t["grid_rows"]), int(t["grid_cols"])) == (t["cell_row"], t["cell_col"])

@@ -42,7 +42,7 @@ from mars.world.questions import (ATTRIBUTES, FACT_QUESTIONS, FACTS, FRAMED_SUBJ
                                   PERCEPTION_QUESTIONS, question_text)
 from mars.world.scenes import SceneConfig, render_scene, scene_size
 
-__all__ = ["LOCATE_LONG_SIDE", "locate_dialogues", "located_cell", "zoom_cell"]
+__all__ = ["LOCATE_LONG_SIDE", "locate_dialogues", "located_cell", "zoom_cell", "zooms_on_scene"]
 
 LOCATE_LONG_SIDE = (448, 672)  # scenes are drawn at about twice the policy's 224-px view (a 4K scene costs 50x)
 _EMBLEM_POOL = 64  # random emblems the drawn scenes pick from (clutter for the cue; their identity is never asked)
@@ -111,11 +111,17 @@ def located_cell(box: list[float], grid_rows: int, grid_cols: int) -> tuple[int,
             min(grid_cols - 1, max(0, int(cx * grid_cols // 1000))))
 
 
+def zooms_on_scene(turn) -> bool:
+    """Whether a parsed turn (:func:`mars.agent.protocol.parse_turn`) is an ``image_zoom_in`` call on image 0 (the
+    question's scene), well formed or not."""
+    return turn.action == "tool_call" and turn.tool_name == "image_zoom_in" and turn.arguments.get("img_idx", 0) == 0
+
+
 def zoom_cell(turn, grid_rows: int, grid_cols: int) -> tuple[int, int] | None:
     """The cell (:func:`located_cell`) an ``image_zoom_in`` call on image 0 chose, for a parsed turn
-    (:func:`mars.agent.protocol.parse_turn`); None when the turn is no such call or its ``bbox_2d`` is malformed
-    (a model's malformed call is a miss, not a crash)."""
-    if turn.action != "tool_call" or turn.tool_name != "image_zoom_in" or turn.arguments.get("img_idx", 0) != 0:
+    (:func:`mars.agent.protocol.parse_turn`); None when the turn is no such call (:func:`zooms_on_scene`) or its
+    ``bbox_2d`` is malformed (a model's malformed call is a miss, not a crash)."""
+    if not zooms_on_scene(turn):
         return None
     try:
         return located_cell([float(v) for v in turn.arguments.get("bbox_2d")], grid_rows, grid_cols)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mars.agent.protocol import parse_turn
-from mars.synth.locate import locate_dialogues, located_cell, zoom_cell
+from mars.synth.locate import locate_dialogues, located_cell, zoom_cell, zooms_on_scene
 from mars.world.generate import WorldSpec
 from mars.world.scenes import CUE_COLOUR
 from mars.world.questions import FRAMED_SUBJECT, MULTIHOP_SUBJECT
@@ -38,6 +38,11 @@ def test_zoom_cell_reads_a_zoom_call_and_treats_anything_else_as_no_cell():
     assert cell("image_zoom_in", {"img_idx": 0}) is None
     assert cell("text_search", {"query": "Larus Shipyard year"}) is None
     assert zoom_cell(parse_turn("<answer>C</answer>"), 2, 2) is None
+    # a zoom on the scene even when its box is malformed (evaluate counts it as the first zoom, and a miss)
+    assert zooms_on_scene(parse_turn(format_tool_call("image_zoom_in", {"bbox_2d": [650]}, "look")))
+    assert not zooms_on_scene(parse_turn(format_tool_call("image_zoom_in", {"bbox_2d": [1, 2, 3, 4], "img_idx": 1},
+                                                          "look")))
+    assert not zooms_on_scene(parse_turn(format_tool_call("text_search", {"query": "x"}, "look")))
 
 
 def test_located_cell_maps_zoom_centres_to_cells():

@@ -1,4 +1,5 @@
-"""Vision pre-training (phase 0 of the sft stage, off by default): teach a random-init vision tower to read emblems.
+"""Vision pre-training (phase 0 of the sft stage): teach a random-init vision tower to read emblems (off by default)
+or to find the framed cell (on by default).
 
 What it does
     :func:`pretrain_vision` trains a model's vision tower and projector (``model.model.visual``) on labelled emblem
@@ -10,6 +11,8 @@ What it does
     the world's scale), so the tower learns to read an emblem at the size a zoom shows it. Batches are a seeded
     function of the step; checkpoints every ``checkpoint_every`` steps (tower, heads, optimizer, step, history) with
     the run's fingerprint, so a killed run resumes to the same weights as an uninterrupted one.
+    Localisation uses the same loop with one head, the framed cell (:func:`cell_heads`), on the localisation drills'
+    scenes in the policy's view (:func:`cell_data`: the label is the cell the teacher's zoom chose).
 
 Why (and the deviation from the paper)
     The paper's policy starts from Qwen2.5-VL, whose vision encoder was pre-trained on billions of images and reads
@@ -23,6 +26,11 @@ Why (and the deviation from the paper)
     3,000 steps with ``world.target_zone`` 0.18 reach shape 29%, pattern 32%, letter 1% on held-out crops, and the
     SFT model's perception stayed at 20%; so it is off by default (``sft.vision_pretrain_steps: 0``), and it is
     refused with ``sft.freeze_vision`` (a pretrained checkpoint's tower).
+    Localisation: the sft stage's localisation block teaches the first zoom through the language model's loss, and
+    whether the tower found the frame that way varied between runs (30-79 of 80 held-out scenes framed with the
+    same block; README). Taught directly (``bench/probe_locate.py``: 100% of held-out scenes in 100-150 steps at
+    2e-3), the tower sees the frame before the block starts (``sft.vision_locate_steps``, on by default; README).
+    A pretrained tower (the paper's) needs neither.
 
 Run the tests: ``.venv/bin/python -m pytest tests/train/test_vision.py -q``.
 """
@@ -42,13 +50,19 @@ from tqdm.auto import tqdm
 from mars.train.checkpoint import latest_state, save_state
 from mars.world.emblems import GLYPHS, PATTERNS, SHAPES
 
-__all__ = ["HEADS", "ReadHeads", "VisionPretrainConfig", "emblem_labels", "pixel_batch", "read_accuracy",
-           "pretrain_vision", "zoom_read_data"]
+__all__ = ["HEADS", "ReadHeads", "VisionPretrainConfig", "cell_data", "cell_heads", "emblem_labels", "pixel_batch",
+           "read_accuracy", "pretrain_vision", "zoom_read_data"]
 log = logging.getLogger(__name__)
 
 # classes per attribute; the last class of glyph and pattern is "none drawn"
 HEADS: dict[str, int] = {"shape": len(SHAPES), "glyph": len(GLYPHS) + 1, "pattern": len(PATTERNS) + 1}
-Labelled = tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]  # (pixel_values, image_grid_thw [1, 3], labels)
+NONE_LAST = frozenset({"glyph", "pattern"})  # heads whose last class means "none drawn" (not scored)
+Labelled = tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]  # (pixel_values, image_grid_thw [1, 3], one per head)
+
+
+def cell_heads(grid_rows: int, grid_cols: int) -> dict[str, int]:
+    """The localisation read-out: one head, the framed cell (``row * grid_cols + col``)."""
+    return {"cell": grid_rows * grid_cols}
 
 
 def emblem_labels(spec: dict) -> tuple[int, int, int]:
@@ -59,15 +73,17 @@ def emblem_labels(spec: dict) -> tuple[int, int, int]:
 
 
 class ReadHeads(torch.nn.Module):
-    """One attention read-out over an image's merged tokens and a linear head per attribute (:data:`HEADS`)."""
+    """One attention read-out over an image's merged tokens and a linear head per attribute (``heads``: name ->
+    classes; :data:`HEADS`, reading, by default, or :func:`cell_heads`, localisation)."""
 
-    def __init__(self, dim: int, seed: int = 0):
+    def __init__(self, dim: int, seed: int = 0, heads: dict[str, int] | None = None):
         super().__init__()
+        self.names = dict(heads or HEADS)
         with torch.random.fork_rng(devices=[]):  # the same heads for the same seed, whatever ran before
             torch.manual_seed(seed)
             self.query = torch.nn.Parameter(torch.randn(dim) * 0.02)
             self.keys = torch.nn.Linear(dim, dim)
-            self.heads = torch.nn.ModuleList(torch.nn.Linear(dim, k) for k in HEADS.values())
+            self.heads = torch.nn.ModuleList(torch.nn.Linear(dim, k) for k in self.names.values())
 
     def forward(self, tokens: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """``tokens`` [sum of merged tokens, D] of ``grid_thw`` [B, 3] images -> one [B, classes] per attribute."""
@@ -96,8 +112,32 @@ def zoom_read_data(scene, proc, n: int, seed: int, max_side: int | None = None) 
     return out
 
 
+def cell_data(dialogues: list[list[dict]], proc, grid_rows: int, grid_cols: int) -> list[Labelled]:
+    """The localisation drills among ``dialogues`` (:func:`mars.synth.locate.locate_dialogues`: a scene, then a zoom
+    call) as labelled images in ``proc``'s view: the label is the cell the teacher's zoom chose (:func:`cell_heads`);
+    dialogues whose reply is not a zoom on image 0 (zoom captions) are skipped. Pixels in float16, as
+    :func:`zoom_read_data`."""
+    from mars.agent.protocol import parse_turn
+    from mars.synth.locate import zoom_cell
+
+    out: list[Labelled] = []
+    for d in tqdm(dialogues, desc="labelling localisation drills", unit="img", leave=False):
+        user = next((m for m in d if m["role"] == "user"), None)
+        content = user["content"] if user is not None and isinstance(user["content"], list) else []
+        images = [c["image"] for c in content if isinstance(c, dict) and c.get("type") == "image"]
+        if not images or d[-1]["role"] != "assistant":
+            continue  # a text-only drill
+        cell = zoom_cell(parse_turn(d[-1]["content"]), grid_rows, grid_cols)
+        if cell is None:
+            continue  # not a zoom on image 0 (a zoom caption)
+        ip = proc.image_processor(images=images[:1], return_tensors="pt")
+        out.append((ip["pixel_values"].to(torch.float16), ip["image_grid_thw"], (cell[0] * grid_cols + cell[1],)))
+    return out
+
+
 def pixel_batch(items: list[Labelled]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pixel_values [sum of patches, C] in float32, image_grid_thw [B, 3], labels [B, 3]) of labelled images."""
+    """(pixel_values [sum of patches, C] in float32, image_grid_thw [B, 3], labels [B, heads]) of labelled
+    images."""
     return (torch.cat([b[0] for b in items]).float(), torch.cat([b[1] for b in items]),
             torch.tensor([b[2] for b in items], dtype=torch.long))
 
@@ -111,22 +151,22 @@ def _logits(visual: torch.nn.Module, heads: ReadHeads, items: list[Labelled]
 
 def read_accuracy(visual: torch.nn.Module, heads: ReadHeads, data: list[Labelled], chunk: int = 50
                   ) -> dict[str, float]:
-    """Accuracy per attribute on ``data`` (the letter over images with a letter, the pattern over those with a
-    pattern; chance 1/8, 1/24, 1/7)."""
+    """Accuracy per head on ``data`` (the letter over images with a letter, the pattern over those with a
+    pattern; chance 1/8, 1/24, 1/7; the cell: one over the grid's cells)."""
     was = visual.training, heads.training
     visual.eval()
     heads.eval()
-    hits, seen = [0, 0, 0], [0, 0, 0]
+    hits, seen = [0] * len(heads.names), [0] * len(heads.names)
     with torch.no_grad():
         for i in range(0, len(data), chunk):
             logits, y = _logits(visual, heads, data[i:i + chunk])
-            for k, (name, n) in enumerate(HEADS.items()):
-                keep = y[:, k] < n - 1 if name != "shape" else torch.ones(len(y), dtype=torch.bool)
+            for k, (name, n) in enumerate(heads.names.items()):
+                keep = y[:, k] < n - 1 if name in NONE_LAST else torch.ones(len(y), dtype=torch.bool)
                 hits[k] += int(((logits[k].argmax(1) == y[:, k]) & keep).sum())
                 seen[k] += int(keep.sum())
     visual.train(was[0])
     heads.train(was[1])
-    return {name: hits[k] / max(1, seen[k]) for k, name in enumerate(HEADS)}
+    return {name: hits[k] / max(1, seen[k]) for k, name in enumerate(heads.names)}
 
 
 @dataclass
@@ -147,15 +187,17 @@ class VisionPretrainConfig:
 
 
 def pretrain_vision(visual: torch.nn.Module, data: list[Labelled], cfg: VisionPretrainConfig, *, dim: int,
-                    ckpt_dir: str | Path, fp: str, test: list[Labelled] | None = None) -> dict:
+                    ckpt_dir: str | Path, fp: str, test: list[Labelled] | None = None,
+                    heads: dict[str, int] | None = None) -> dict:
     """Train ``visual`` (a Qwen-VL vision tower + projector whose output width is ``dim``) in place on labelled
-    images ``data`` (module docstring); resumes from the newest checkpoint in ``ckpt_dir`` with fingerprint ``fp``.
+    images ``data`` (module docstring) with read-out ``heads`` (:data:`HEADS` by default; :func:`cell_heads` for
+    localisation); resumes from the newest checkpoint in ``ckpt_dir`` with fingerprint ``fp``.
     Returns the summary: steps, resumed_from, loss_first, loss_final (mean of the first / last 50 steps' summed
-    cross-entropy), accuracy per attribute on up to 500 training images and on ``test`` when given, seconds."""
+    cross-entropy), accuracy per head on up to 500 training images and on ``test`` when given, seconds."""
     if len(data) < cfg.batch_size:
         raise ValueError(f"vision pre-training needs at least batch_size ({cfg.batch_size}) images, got {len(data)}; "
-                         "raise sft.vision_pretrain_images")
-    heads = ReadHeads(dim, seed=cfg.seed)
+                         "raise sft.vision_pretrain_images (reading) or sft.pretrain_locate (localisation)")
+    heads = ReadHeads(dim, seed=cfg.seed, heads=heads)
     params = list(visual.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)  # constant rate, no clipping: as measured
     history: list[float] = []
@@ -170,8 +212,8 @@ def pretrain_vision(visual: torch.nn.Module, data: list[Labelled], cfg: VisionPr
     visual.train()
     heads.train()
     t0 = time.perf_counter()
-    bar = tqdm(range(start, cfg.steps), desc="vision pre-training", unit="step", initial=start, total=cfg.steps,
-               leave=False)
+    bar = tqdm(range(start, cfg.steps), desc=f"vision pre-training ({', '.join(heads.names)})", unit="step",
+               initial=start, total=cfg.steps, leave=False)
     for step in bar:
         batch = random.Random(cfg.seed * 1_000_003 + step).sample(data, cfg.batch_size)  # a function of the step
         logits, y = _logits(visual, heads, batch)

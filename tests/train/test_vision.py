@@ -1,4 +1,5 @@
-"""Vision pre-training (phase 0): labels, read-out, accuracy counting, training, resume and the stage's params."""
+"""Vision pre-training (phase 0): labels, read-out, accuracy counting, training, resume and the stage's params,
+for reading (emblem attributes) and for localisation (the framed cell)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from mars.model.build import build_model, tiny_config
 from mars.model.processor import build_processor
 from mars.model.tokenizer import train_tokenizer
 from mars.synth.captions import zoom_crop
+from mars.synth.locate import locate_dialogues
 from mars.train.vision import (
     HEADS,
     ReadHeads,
     VisionPretrainConfig,
+    cell_data,
+    cell_heads,
     emblem_labels,
     pretrain_vision,
     read_accuracy,
@@ -134,3 +138,59 @@ def test_stage_params_for_phase_0():
         Params(vision_pretrain_steps=100, vision_pretrain_images=8, batch_size=16)
     with pytest.raises(ValueError, match="vision_pretrain_steps must be >= 0"):
         Params(vision_pretrain_steps=-1)
+
+
+def _box_cell(reply: str, rows: int, cols: int) -> int:
+    """The cell index of the bbox_2d centre in a zoom reply, read with a regex (independent of the parser)."""
+    import re
+
+    x1, y1, x2, y2 = (float(v) for v in re.search(r'"bbox_2d": \[([^\]]*)\]', reply).group(1).split(","))
+    return int((y1 + y2) / 2 * rows // 1000) * cols + int((x1 + x2) / 2 * cols // 1000)
+
+
+def test_cell_data_labels_the_teachers_cell_and_skips_other_drills(stack):
+    _, proc, scene = stack
+    drills = locate_dialogues(scene, n=6, seed=4, system="S")
+    text_only = [{"role": "user", "content": "Who founded it?"}, {"role": "assistant", "content": "<answer>x</answer>"}]
+    image = drills[0][1]["content"][0]["image"]
+    caption = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Read it"}]},
+               {"role": "assistant", "content": "<think>a circle</think><answer>circle</answer>"}]
+    data = cell_data([text_only, *drills[:3], caption, *drills[3:]], proc, 2, 2)
+    assert len(data) == 6  # the text-only drill and the caption (no zoom) are skipped
+    assert [d[2] for d in data] == [(_box_cell(d[-1]["content"], 2, 2),) for d in drills]
+    assert len({d[2] for d in data}) > 1  # the frame moves between scenes
+    for pv, grid, _ in data:
+        assert pv.dtype == torch.float16 and int(grid.prod()) == pv.shape[0]
+    assert cell_heads(2, 3) == {"cell": 6}
+    heads = ReadHeads(16, heads=cell_heads(2, 2))
+    assert [tuple(o.shape) for o in heads(torch.randn(10, 16), torch.tensor([[1, 4, 4], [1, 4, 6]]))] == [(2, 4)]
+
+
+def test_pretrain_vision_learns_the_framed_cell(stack, tmp_path):
+    tok, proc, scene = stack
+    train = cell_data(locate_dialogues(scene, n=64, seed=0), proc, 2, 2)
+    visual, dim = tower(tok)
+    res = pretrain_vision(visual, train, VisionPretrainConfig(steps=60, batch_size=16, lr=2e-3, checkpoint_every=60),
+                          dim=dim, ckpt_dir=tmp_path, fp="x", heads=cell_heads(2, 2), test=train[:32])
+    # one 4-way head: cross-entropy ln 4 = 1.39 at chance; measured: first 12 steps 1.32, last 12 0.60, 86% of the
+    # training scenes right (chance 25%)
+    assert res["loss_first"] > 1.2 and res["loss_final"] < 0.9
+    assert set(res["train_accuracy"]) == {"cell"} and res["train_accuracy"]["cell"] >= 0.6
+
+
+def test_stage_params_for_phase_0_localisation():
+    p = Params(vision_locate_steps=150, pretrain_locate=64, batch_size=16, checkpoint_every=10, vision_lr=0.002)
+    cfg = p.vision_locate_config()
+    assert (cfg.steps, cfg.batch_size, cfg.lr, cfg.checkpoint_every) == (150, 16, 0.002, 10)
+    with pytest.raises(ValueError, match="vision_locate_steps > 0 trains the vision tower"):
+        Params(vision_locate_steps=10, pretrain_locate=64, freeze_vision=True)
+    with pytest.raises(ValueError, match=r"pretrain_locate >= sft.batch_size \(16\), got 8"):
+        Params(vision_locate_steps=10, pretrain_locate=8, batch_size=16)
+    with pytest.raises(ValueError, match="vision_locate_steps must be >= 0"):
+        Params(vision_locate_steps=-1)
+
+
+def test_group_batches_is_phase_twos_only():
+    p = Params(group_batches=8, pretrain_steps=10, pretrain_drills=4, pretrain_locate=4, locate_steps=5)
+    assert p.train_config().group_batches == 8
+    assert p.pretrain_config().group_batches == p.locate_config().group_batches == 1

@@ -15,7 +15,11 @@ What it does
        and projector alone learn to read the emblem in ``vision_pretrain_images`` zoom crops (shape, letter,
        pattern; a throw-away attention read-out and linear heads, rate ``vision_pretrain_lr``), the stand-in for a
        base model's vision pre-training; checkpoints in ``--checkpoints``/vision; its held-out read-out accuracy
-       goes to the metrics. Then the pre-training phase (``pretrain_steps`` > 0; the embedded default):
+       goes to the metrics. Its localisation half (``vision_locate_steps`` > 0, the default; :func:`vision_locate`):
+       the tower and projector alone learn which grid cell of the localisation drills' scenes is framed (a cell
+       read-out, rate ``vision_lr``; checkpoints in ``--checkpoints``/vision_locate; held-out cell accuracy in the
+       metrics), so the block below only has to route what the tower already sees into the zoom call (the block
+       alone missed that phase change in some runs; README). Then the pre-training phase (``pretrain_steps`` > 0; the embedded default):
        ``pretrain_steps`` steps (language-model rate ``pretrain_lr``, or ``lr`` when 0) on gallery captions
        (:mod:`mars.synth.captions`: an emblem's shape, letter or pattern) and text-only reading drills over real
        tool outputs (:mod:`mars.synth.drills`: copy a fact from a snippet, copy the top image-search title into a
@@ -101,6 +105,7 @@ class Params:
     vision_pretrain_steps: int = 0  # phase 0: the vision tower learns to read zoomed emblems (mars.train.vision)
     vision_pretrain_images: int = 4000  # its labelled zoom crops (a new emblem each)
     vision_pretrain_lr: float = 5e-4
+    vision_locate_steps: int = 0  # phase 0: the vision tower learns the framed cell of the localisation drills
     tokenizer: str = "local"  # local | qwen
     pretokenizer: str = "trailing"  # local tokenizer: trailing (a word keeps the space after it) | words (spaces
     #                                 are tokens of their own) | bytelevel (GPT-2 style); mars.model.tokenizer
@@ -117,7 +122,7 @@ class Params:
     rope_theta: float = 10000.0
     batch_size: int = 16
     grad_accum: int = 1
-    group_batches: int = 1  # length-grouped batches: runs of this many batches sorted by length (1 = off)
+    group_batches: int = 1  # phase 2's length-grouped batches: runs of this many batches sorted by length (1 = off)
     max_steps: int = 350
     lr: float = 2e-3
     pretrain_lr: float = 0.0  # phase 1's language-model rate (0 = lr; the vision rate stays vision_lr)
@@ -155,13 +160,20 @@ class Params:
         counts = {k: getattr(self, k) for k in ("pretrain_captions", "pretrain_drills", "pretrain_copy",
                                                  "pretrain_locate", "pretrain_zoom_captions")}
         for k, v in {"pretrain_steps": self.pretrain_steps, "locate_steps": self.locate_steps,
-                     "vision_pretrain_steps": self.vision_pretrain_steps, **counts}.items():
+                     "vision_pretrain_steps": self.vision_pretrain_steps,
+                     "vision_locate_steps": self.vision_locate_steps, **counts}.items():
             if v < 0:
                 raise ValueError(f"sft.{k} must be >= 0, got {v}")
+        for k in ("vision_pretrain_steps", "vision_locate_steps"):
+            if getattr(self, k) and self.freeze_vision:
+                raise ValueError(f"sft.{k} > 0 trains the vision tower, which sft.freeze_vision keeps frozen; set "
+                                 f"{k}: 0 for a pretrained init_checkpoint")
+        if self.vision_locate_steps and self.pretrain_locate < self.batch_size:
+            raise ValueError(f"sft.vision_locate_steps > 0 trains on the localisation drills' images: set "
+                             f"sft.pretrain_locate >= sft.batch_size ({self.batch_size}), got {self.pretrain_locate}")
+        if self.vision_locate_steps:
+            self.vision_locate_config()  # validates the knobs
         if self.vision_pretrain_steps:
-            if self.freeze_vision:
-                raise ValueError("sft.vision_pretrain_steps > 0 trains the vision tower, which sft.freeze_vision "
-                                 "keeps frozen; set vision_pretrain_steps: 0 for a pretrained init_checkpoint")
             self.vision_config()  # validates the phase-0 knobs
             if self.vision_pretrain_images < self.batch_size:
                 raise ValueError(f"sft.vision_pretrain_images must be >= sft.batch_size ({self.batch_size}), got "
@@ -190,15 +202,25 @@ class Params:
                                     lr=self.vision_pretrain_lr, checkpoint_every=self.checkpoint_every * 4,
                                     seed=self.seed)
 
+    def vision_locate_config(self):
+        """Phase 0's localisation config: ``vision_locate_steps`` steps at ``vision_lr`` (the rate at which the
+        tower found the frame in ``bench/probe_locate.py``)."""
+        from mars.train.vision import VisionPretrainConfig
+
+        return VisionPretrainConfig(steps=self.vision_locate_steps, batch_size=self.batch_size, lr=self.vision_lr,
+                                    checkpoint_every=self.checkpoint_every, seed=self.seed)
+
     def pretrain_config(self):
-        """Phase 1's training config: ``pretrain_steps`` steps at ``pretrain_lr`` (``lr`` when 0)."""
-        return self.train_config(self.pretrain_steps, lr=self.pretrain_lr or self.lr)
+        """Phase 1's training config: ``pretrain_steps`` steps at ``pretrain_lr`` (``lr`` when 0); plain shuffled
+        batches (``group_batches`` is phase 2's)."""
+        return self.train_config(self.pretrain_steps, lr=self.pretrain_lr or self.lr, group_batches=1)
 
     def locate_config(self):
-        """The localisation block's training config: ``locate_steps`` steps at ``lr`` and ``vision_lr``."""
-        return self.train_config(self.locate_steps)
+        """The localisation block's training config: ``locate_steps`` steps at ``lr`` and ``vision_lr``; plain
+        shuffled batches."""
+        return self.train_config(self.locate_steps, group_batches=1)
 
-    def train_config(self, max_steps: int | None = None, lr: float | None = None):
+    def train_config(self, max_steps: int | None = None, lr: float | None = None, group_batches: int | None = None):
         from mars.train.optim import OptimConfig
         from mars.train.sft import SFTConfig
 
@@ -210,7 +232,7 @@ class Params:
         )
         return SFTConfig(optim=optim, batch_size=self.batch_size, grad_accum=self.grad_accum,
                          checkpoint_every=self.checkpoint_every, precision=self.precision, seed=self.seed,
-                         group_batches=self.group_batches)
+                         group_batches=self.group_batches if group_batches is None else group_batches)
 
 
 def teacher_trajectories(params: Params, agent: AgentParams, questions: list[dict], image_root: Path,
@@ -397,6 +419,9 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         if params.vision_pretrain_steps:
             pre_stats |= vision_pretrain(params, model, proc, scene, outputs["checkpoints"] / "vision",
                                          fingerprint(fp, "vision"))
+        if params.vision_locate_steps:
+            pre_stats |= vision_locate(params, model, proc, scene, locate or pretrain,
+                                       outputs["checkpoints"] / "vision_locate", fingerprint(fp, "vision_locate"))
         # phase 1, then the localisation block, each with its own checkpoints, so a kill in any phase resumes there
         for name, dialogues, config in (("pretrain", pretrain, params.pretrain_config),
                                         ("locate", locate, params.locate_config)):
@@ -456,6 +481,27 @@ def vision_pretrain(params: Params, model, proc, scene: SceneConfig, ckpt_dir: P
     return {"vision_pretrain_loss_first": res["loss_first"], "vision_pretrain_loss_final": res["loss_final"],
             **{f"vision_pretrain_test_{k}": v for k, v in res["test_accuracy"].items()},
             "vision_pretrain_s": res["seconds"]}
+
+
+def vision_locate(params: Params, model, proc, scene: SceneConfig, drills: list[list[dict]], ckpt_dir: Path,
+                  fp: str) -> dict:
+    """Phase 0, localisation (:func:`mars.train.vision.pretrain_vision` with :func:`mars.train.vision.cell_heads`):
+    ``vision_locate_steps`` steps teaching the vision tower and projector the framed cell of the localisation
+    drills' scenes among ``drills`` (the block's, or phase 1's when there is no block), rate ``vision_lr``; returns
+    its metrics, with the read-out's accuracy on ``VISION_TEST_IMAGES`` scenes of another seed (chance: one cell
+    of the grid)."""
+    from mars.synth.locate import locate_dialogues
+    from mars.train.vision import cell_data, cell_heads, pretrain_vision
+
+    rows, cols = scene.grid_rows, scene.grid_cols
+    data = cell_data(drills, proc, rows, cols)
+    test = cell_data(locate_dialogues(scene, n=VISION_TEST_IMAGES, seed=params.seed + 99), proc, rows, cols)
+    res = pretrain_vision(model.model.visual, data, params.vision_locate_config(),
+                          dim=model.config.vision_config.out_hidden_size, ckpt_dir=ckpt_dir, fp=fp, test=test,
+                          heads=cell_heads(rows, cols))
+    log.info("vision localisation pre-training: %s", res)
+    return {"vision_locate_loss_first": res["loss_first"], "vision_locate_loss_final": res["loss_final"],
+            "vision_locate_test_cell": res["test_accuracy"]["cell"], "vision_locate_s": res["seconds"]}
 
 
 def _mix(pre_examples: list, n_trajectories: int, share: float, seed: int) -> list:

@@ -355,15 +355,16 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
 
 
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
-    """A short run (4 steps of vision pre-training, 8 pre-training steps on captions and reading drills, 4 steps of
-    the vision block (localisation drills and zoom captions), then 16 steps, a checkpoint every 4): SIGKILLed once
-    a checkpoint of the last phase exists, rerun, and compared with an uninterrupted in-process run of the same
-    params (a short run keeps this test cheap), with length-grouped batches and chain drills."""
+    """A short run (4 steps of vision pre-training for reading and 4 for localisation, 8 pre-training steps on
+    captions and reading drills, 4 steps of the vision block (localisation drills and zoom captions), then 16
+    steps, a checkpoint every 4): SIGKILLed once a checkpoint of the last phase exists, rerun, and compared with an
+    uninterrupted in-process run of the same params (a short run keeps this test cheap), with length-grouped
+    batches and chain drills."""
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
-             "pretrain_drills": 16, "pretrain_locate": 4, "locate_steps": 4, "pretrain_zoom_captions": 4,
+             "pretrain_drills": 16, "pretrain_locate": 8, "locate_steps": 4, "pretrain_zoom_captions": 4,
              "mix_pretrain": 0.25, "locate_mix": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16,
-             "group_batches": 2, "drill_chains": 0.5}
+             "vision_locate_steps": 4, "group_batches": 2, "drill_chains": 0.5}
     params = write_params(tmp_path, "short", profile={"sft": short})
     fp = load_params("sft", sft.Params, params)
     scene = world.world_spec(load_params("world", world.Params, params)).scene_config()  # as the CLI reads it
@@ -388,9 +389,9 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     # the pre-training phase ran first on every example it was given, and the rerun restored it from its own
     # checkpoints instead of training it again
     assert m["pretrain_examples"] == straight_m["pretrain_examples"] == 24  # 8 captions + 16 drills
-    assert m["locate_examples"] == straight_m["locate_examples"] == 8  # 4 localisation drills + 4 zoom captions
-    # the block keeps seeing phase 1's examples: a quarter of its examples, round(0.25 / 0.75 * 8) = 3
-    assert m["locate_mixed_examples"] == straight_m["locate_mixed_examples"] == 3
+    assert m["locate_examples"] == straight_m["locate_examples"] == 12  # 8 localisation drills + 4 zoom captions
+    # the block keeps seeing phase 1's examples: a quarter of its examples, round(0.25 / 0.75 * 12) = 4
+    assert m["locate_mixed_examples"] == straight_m["locate_mixed_examples"] == 4
     assert m["locate_loss_final"] == pytest.approx(straight_m["locate_loss_final"], abs=1e-6)
     assert (ckpt / "locate" / f"step-{fp.locate_steps:06d}").is_dir()
     # phase 2 mixes in a quarter of phase-1 examples: one per three trajectories, the same draw after the resume
@@ -401,6 +402,10 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     assert m["vision_pretrain_loss_final"] == pytest.approx(straight_m["vision_pretrain_loss_final"], abs=1e-6)
     assert (ckpt / "vision" / f"step-{fp.vision_pretrain_steps:06d}").is_dir()
     assert set(m) >= {f"vision_pretrain_test_{a}" for a in ("shape", "glyph", "pattern")}
+    # and its localisation half, on the block's 8 localisation drills (the zoom captions are not labelled)
+    assert m["vision_locate_loss_final"] == pytest.approx(straight_m["vision_locate_loss_final"], abs=1e-6)
+    assert (ckpt / "vision_locate" / f"step-{fp.vision_locate_steps:06d}").is_dir()
+    assert 0.0 <= m["vision_locate_test_cell"] <= 1.0
     with (root / "live/plots/metrics/train/loss.tsv").open() as f:
         head, *body = [line.rstrip("\n").split("\t") for line in f if line.strip()]
     steps = [int(float(r[head.index("step")])) for r in body]

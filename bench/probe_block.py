@@ -40,6 +40,19 @@ from stages.world import Params as WorldParams  # noqa: E402
 from stages.world import world_spec  # noqa: E402
 
 
+def held_out(scene, n: int, seed: int) -> tuple[list[list[dict]], list[tuple[int, int] | None]]:
+    """``n`` localisation drills on new scenes (the episodes' system prompt) and the teacher's cell of each."""
+    drills = locate_dialogues(scene, n=n, seed=seed, system=compact_system_prompt(TOOL_SCHEMAS))
+    return drills, [zoom_cell(parse_turn(d[-1]["content"]), scene.grid_rows, scene.grid_cols) for d in drills]
+
+
+def framed(model, proc, scene, drills: list[list[dict]], truth: list) -> int:
+    """How many of ``drills`` the model's greedy first turn zooms into the teacher's cell of."""
+    outs = HFBackend(model, proc).generate([d[:-1] for d in drills], max_new_tokens=96)
+    return sum(t is not None and zoom_cell(parse_turn(o.text), scene.grid_rows, scene.grid_cols) == t
+               for o, t in zip(outs, truth))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a checkpoint directory (data/sft/model)")
@@ -53,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(path).exists():
             ap.error(f"{path}: not found (run `dvc repro` up to the sft stage, or pass an existing path)")
     scene = world_spec(load_section("world", WorldParams, ["--params", ns.params])).scene_config()
-    drills = locate_dialogues(scene, n=ns.n, seed=ns.seed, system=compact_system_prompt(TOOL_SCHEMAS))
-    truth = [zoom_cell(parse_turn(d[-1]["content"]), scene.grid_rows, scene.grid_cols) for d in drills]
+    drills, truth = held_out(scene, ns.n, ns.seed)
     model, _, proc = load_checkpoint(ns.model)
     rows = [("chance (one cell)", ns.n / (scene.grid_rows * scene.grid_cols), 0.0),
             ("teacher", float(sum(t is not None for t in truth)), 0.0)]
@@ -62,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if state is not None:
             model.load_state_dict(torch.load(state, map_location="cpu", weights_only=False)["model"])
         t0 = time.perf_counter()
-        outs = HFBackend(model, proc).generate([d[:-1] for d in drills], max_new_tokens=96)
-        hits = sum(t is not None and zoom_cell(parse_turn(o.text), scene.grid_rows, scene.grid_cols) == t
-                   for o, t in zip(outs, truth))
-        rows.append((label, float(hits), time.perf_counter() - t0))
+        rows.append((label, float(framed(model, proc, scene, drills, truth)), time.perf_counter() - t0))
     print(f"held-out localisation drills: {ns.n} new scenes (seed {ns.seed}), grid {scene.grid_rows}x{scene.grid_cols}")
     print(f"{'checkpoint':60s} {'framed':>7s} {'share':>6s} {'x chance':>8s} {'s':>5s}")
     for label, hits, secs in rows:

@@ -19,7 +19,8 @@ What it does
        the tower and projector alone learn which grid cell of the localisation drills' scenes is framed (a cell
        read-out, rate ``vision_lr``; checkpoints in ``--checkpoints``/vision_locate; held-out cell accuracy in the
        metrics), so the block below only has to route what the tower already sees into the zoom call (the block
-       alone missed that phase change in some runs; README). Then the pre-training phase (``pretrain_steps`` > 0; the embedded default):
+       alone missed that phase change in some runs; README). Then the pre-training phase (``pretrain_steps`` > 0;
+       the embedded default):
        ``pretrain_steps`` steps (language-model rate ``pretrain_lr``, or ``lr`` when 0) on gallery captions
        (:mod:`mars.synth.captions`: an emblem's shape, letter or pattern) and text-only reading drills over real
        tool outputs (:mod:`mars.synth.drills`: copy a fact from a snippet, copy the top image-search title into a
@@ -168,6 +169,9 @@ class Params:
             if getattr(self, k) and self.freeze_vision:
                 raise ValueError(f"sft.{k} > 0 trains the vision tower, which sft.freeze_vision keeps frozen; set "
                                  f"{k}: 0 for a pretrained init_checkpoint")
+        if self.vision_locate_steps and not (self.locate_steps or self.pretrain_steps):
+            raise ValueError("sft.vision_locate_steps > 0 trains on the localisation drills, which only the block "
+                             "(sft.locate_steps > 0) or phase 1 (sft.pretrain_steps > 0) draws: set one of them")
         if self.vision_locate_steps and self.pretrain_locate < self.batch_size:
             raise ValueError(f"sft.vision_locate_steps > 0 trains on the localisation drills' images: set "
                              f"sft.pretrain_locate >= sft.batch_size ({self.batch_size}), got {self.pretrain_locate}")

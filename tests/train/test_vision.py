@@ -179,15 +179,19 @@ def test_pretrain_vision_learns_the_framed_cell(stack, tmp_path):
 
 
 def test_stage_params_for_phase_0_localisation():
-    p = Params(vision_locate_steps=150, pretrain_locate=64, batch_size=16, checkpoint_every=10, vision_lr=0.002)
+    p = Params(vision_locate_steps=150, pretrain_locate=64, locate_steps=300, batch_size=16, checkpoint_every=10,
+               vision_lr=0.002)
     cfg = p.vision_locate_config()
     assert (cfg.steps, cfg.batch_size, cfg.lr, cfg.checkpoint_every) == (150, 16, 0.002, 10)
     with pytest.raises(ValueError, match="vision_locate_steps > 0 trains the vision tower"):
-        Params(vision_locate_steps=10, pretrain_locate=64, freeze_vision=True)
+        Params(vision_locate_steps=10, pretrain_locate=64, locate_steps=5, freeze_vision=True)
     with pytest.raises(ValueError, match=r"pretrain_locate >= sft.batch_size \(16\), got 8"):
-        Params(vision_locate_steps=10, pretrain_locate=8, batch_size=16)
+        Params(vision_locate_steps=10, pretrain_locate=8, locate_steps=5, batch_size=16)
     with pytest.raises(ValueError, match="vision_locate_steps must be >= 0"):
         Params(vision_locate_steps=-1)
+    with pytest.raises(ValueError, match="which only the block .* or phase 1 .* draws"):
+        Params(vision_locate_steps=10, pretrain_locate=64, pretrain_steps=0, locate_steps=0)
+    Params(vision_locate_steps=10, pretrain_locate=64, pretrain_steps=10)  # phase 1's drills are enough
 
 
 def test_group_batches_is_phase_twos_only():

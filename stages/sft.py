@@ -171,7 +171,8 @@ class Params:
                                  f"{k}: 0 for a pretrained init_checkpoint")
         if self.vision_locate_steps and not (self.locate_steps or self.pretrain_steps):
             raise ValueError("sft.vision_locate_steps > 0 trains on the localisation drills, which only the block "
-                             "(sft.locate_steps > 0) or phase 1 (sft.pretrain_steps > 0) draws: set one of them")
+                             "(sft.locate_steps > 0) or phase 1 (sft.pretrain_steps > 0) draws: set one of them, or "
+                             "sft.vision_locate_steps: 0 (a pretrained init_checkpoint needs no phase 0)")
         if self.vision_locate_steps and self.pretrain_locate < self.batch_size:
             raise ValueError(f"sft.vision_locate_steps > 0 trains on the localisation drills' images: set "
                              f"sft.pretrain_locate >= sft.batch_size ({self.batch_size}), got {self.pretrain_locate}")

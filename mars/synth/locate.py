@@ -23,7 +23,10 @@ Deviation from the paper (and why)
     held-out scenes in about 150 steps at 1e-3 .. 3e-3). At 0.002, 400 steps of these drills alone put 43-46 of 80
     first zooms on new scenes in the framed cell (chance 20). Mixed into phase 1 they did not carry over (25 of 80
     test scenes after the pipeline); in a block of their own after phase 1 (``sft.locate_steps``: 600 steps on
-    2,000 drills, the default) the SFT model's first zoom hit the framed cell in 74 of 80 (README's Results).
+    2,000 drills) the SFT model's first zoom hit the framed cell in 74 of 80 (README's Results), but in other runs
+    the block missed it (30-35 of 80). Now the tower first learns the framed cell of these drills' scenes directly
+    (sft phase 0, ``sft.vision_locate_steps``: :func:`mars.train.vision.cell_data`), and a 300-step block framed 80
+    of 80 (README, session 14).
 
 How to run (Python)::
 

@@ -22,7 +22,9 @@ benchmark, model/workflow, question type, category and difficulty, and on the te
 ``agent.coords: relative``) ``first_zoom_framed``: the share of scene episodes whose first zoom lands in the framed
 cell (:func:`mars.eval.run.first_zoom_framed`; localisation, chance one cell of the grid), and the search
 chain of the search and multi-hop episodes (``chain_*``, :func:`mars.eval.run.search_chain`: top-1 image-search
-title right, query copies it, the text-search result holds the answer, right given that).
+title right, query copies it, the text-search result holds the answer, right given that) and perception accuracy
+per asked attribute (``perception_by_attribute``: colour, shape, letter, pattern;
+:func:`mars.eval.run.perception_by_attribute`).
 
 Run: ``python -m stages.evaluate --questions data/synthesize/questions.parquet --image-root data/synthesize
 --world-dir data/world --index-dir data/index --sft data/sft --out data/evaluate --progress data/evaluate_progress
@@ -124,7 +126,8 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.data.schemas import ENTITIES, QUESTIONS, WORLD_TRUTH
     from mars.eval.loaders import load_benchmark
     from mars.eval.report import write_report
-    from mars.eval.run import ResultStore, evaluate_model, first_zoom_framed, plot_rows, search_chain, summarize
+    from mars.eval.run import (ResultStore, evaluate_model, first_zoom_framed, perception_by_attribute, plot_rows,
+                               search_chain, summarize)
     from mars.train.checkpoint import fingerprint, source_digest
 
     code = source_digest()  # a code change (judge, engine, tools) re-scores instead of reusing the stored episodes
@@ -195,6 +198,8 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                                                            ENTITIES).to_pylist()}
     for mw, chain in search_chain(test, synth, names).items():  # which link of the search chain fails
         metrics["test"][mw] |= chain
+    for mw, by_attr in perception_by_attribute(test, synth).items():  # which emblem attribute is read
+        metrics["test"][mw] |= by_attr
     acc, tools = plot_rows(results)
     with atomic_dir(outputs["out"]) as out:
         write_artifacts({out / "results.parquet": (results, "results")})

@@ -12,28 +12,29 @@ What it does
        world's text and the protocol (``tokenizer: local``) or the real Qwen2/2.5 vocabulary (``qwen``). The
        untrained model is saved as ``base/`` (the evaluate stage's "untrained" row).
     3. Vision pre-training, phase 0 (``vision_pretrain_steps`` > 0; :mod:`mars.train.vision`): the vision tower
-       and projector alone learn to read the emblem in ``vision_pretrain_images`` zoom crops (shape, letter,
-       pattern; a throw-away attention read-out and linear heads, rate ``vision_pretrain_lr``), the stand-in for a
-       base model's vision pre-training; checkpoints in ``--checkpoints``/vision; its held-out read-out accuracy
-       goes to the metrics. Its localisation half (``vision_locate_steps`` > 0, the default; :func:`vision_locate`):
-       the tower and projector alone learn which grid cell of the localisation drills' scenes is framed (a cell
-       read-out, rate ``vision_lr``; checkpoints in ``--checkpoints``/vision_locate; held-out cell accuracy in the
-       metrics), so the block below only has to route what the tower already sees into the zoom call (the block
-       alone missed that phase change in some runs; README). Then the pre-training phase (``pretrain_steps`` > 0;
-       the embedded default):
+       and projector alone learn to read the emblem in ``vision_pretrain_images`` zoom crops (fill colour, shape,
+       letter, pattern; a throw-away attention read-out and linear heads, rate ``vision_pretrain_lr``), the stand-in
+       for a base model's vision pre-training; checkpoints in ``--checkpoints``/vision; its held-out read-out
+       accuracy goes to the metrics. Its localisation half (``vision_locate_steps`` > 0, the default;
+       :func:`vision_locate`): the tower and projector alone learn which grid cell of the localisation drills'
+       scenes is framed (a cell read-out, rate ``vision_lr``; checkpoints in ``--checkpoints``/vision_locate;
+       held-out cell accuracy in the metrics), so the block below only has to route what the tower already sees into
+       the zoom call (the block alone missed that phase change in some runs; README). Then the pre-training phase
+       (``pretrain_steps`` > 0; the embedded default):
        ``pretrain_steps`` steps (language-model rate ``pretrain_lr``, or ``lr`` when 0) on gallery captions
-       (:mod:`mars.synth.captions`: an emblem's shape, letter or pattern) and text-only reading drills over real
-       tool outputs (:mod:`mars.synth.drills`: copy a fact from a snippet, copy the top image-search title into a
-       query), about entities of no test question, optional pure copy drills (``pretrain_copy``), localisation
-       drills (:mod:`mars.synth.locate`: the first zoom on freshly drawn scenes with the world's grid and frame;
-       ``pretrain_locate``) and zoom captions (:func:`mars.synth.captions.zoom_captions`: read a new emblem at a
-       zoom's scale). These stand in for the base model's pre-training (a random-init tiny model cannot read emblems
-       or copy names from its context, and the multimodal trajectories are too costly per step to teach it);
-       checkpoints in ``--checkpoints``/pretrain. With ``locate_steps`` > 0 the vision drills (localisation drills
-       and zoom captions, :func:`vision_drills`) are not mixed into phase 1 but get a block of their own after it:
-       ``locate_steps`` steps on them and a seeded ``locate_mix`` share of phase 1's examples (rates ``lr`` and
-       ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision tower needs
-       (README: localisation); without phase 1's examples the block erased the copying phase 1 taught (README).
+       (:mod:`mars.synth.captions`: an emblem's fill colour, shape, letter or pattern) and text-only reading drills
+       over real tool outputs (:mod:`mars.synth.drills`: copy a fact from a snippet, copy the top image-search title
+       into a query), about entities of no test question, optional pure copy drills (``pretrain_copy``),
+       localisation drills (:mod:`mars.synth.locate`: the first zoom on freshly drawn scenes with the world's grid
+       and frame; ``pretrain_locate``) and zoom captions (:func:`mars.synth.captions.zoom_captions`: read a new
+       emblem at a zoom's scale). These stand in for the base model's pre-training (a random-init tiny model cannot
+       read emblems or copy names from its context, and the multimodal trajectories are too costly per step to teach
+       it); checkpoints in ``--checkpoints``/pretrain. With ``locate_steps`` > 0 the vision drills (localisation
+       drills and zoom captions, :func:`vision_drills`) are not mixed into phase 1 but get a block of their own
+       after it: ``locate_steps`` steps on them and a seeded ``locate_mix`` share of phase 1's examples (rates
+       ``lr`` and ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision
+       tower needs (README: localisation); without phase 1's examples the block erased the copying phase 1 taught
+       (README).
     4. Training on the teacher trajectories (with ``trajectory_names: new`` or ``world`` their organisation and
        founder names replaced by stand-ins, a fresh set per trajectory, as in the drills:
        :func:`trajectory_dialogues`; measured in the README, off by default), with a seeded ``mix_pretrain`` share
@@ -63,6 +64,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -76,6 +78,7 @@ from mars.data.schemas import ENTITIES, QUESTIONS
 from mars.model.tokenizer import PRETOKENIZERS
 from mars.synth.drills import RENAME_SOURCES
 from mars.stage import load_section, stage_args, write_metrics
+from mars.world.questions import asked_attributes
 from mars.world.scenes import SceneConfig
 
 SECTION = "sft"
@@ -314,28 +317,30 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
     drills += copy_drills(entities, n=params.pretrain_copy, seed=params.seed, rename_from=params.drill_names)
     if params.locate_steps or scene is None:
         return captions + drills
-    return captions + drills + vision_drills(params, scene, system)
+    return captions + drills + vision_drills(params, scene, system, asked_attributes(all_questions))
 
 
-def locate_block_dialogues(params: Params, scene: SceneConfig | None = None, system: str | None = None
-                           ) -> list[list[dict]]:
+def locate_block_dialogues(params: Params, scene: SceneConfig | None = None, system: str | None = None,
+                           attributes: Sequence[str] | None = None) -> list[list[dict]]:
     """The localisation block's data (``locate_steps`` > 0, else none): the vision drills
     (:func:`vision_drills`), the same draw phase 1 would get."""
     if params.locate_steps == 0:
         return []
     _check_scene(params, scene)
-    return vision_drills(params, scene, system)
+    return vision_drills(params, scene, system, attributes)
 
 
-def vision_drills(params: Params, scene: SceneConfig, system: str | None = None) -> list[list[dict]]:
+def vision_drills(params: Params, scene: SceneConfig, system: str | None = None,
+                  attributes: Sequence[str] | None = None) -> list[list[dict]]:
     """``pretrain_locate`` localisation drills on new scenes drawn with the world's ``scene`` knobs
-    (:mod:`mars.synth.locate`, with the episodes' ``system`` prompt) and ``pretrain_zoom_captions`` new emblems at
-    a zoom's scale (:func:`mars.synth.captions.zoom_captions`): phase 1's when ``locate_steps`` is 0, else the
-    block's."""
+    (:mod:`mars.synth.locate`, with the episodes' ``system`` prompt; their perception questions ask about
+    ``attributes``, :func:`mars.world.questions.asked_attributes` of the questions file, all when None) and
+    ``pretrain_zoom_captions`` new emblems at a zoom's scale (:func:`mars.synth.captions.zoom_captions`): phase 1's
+    when ``locate_steps`` is 0, else the block's."""
     from mars.synth.captions import zoom_captions
     from mars.synth.locate import locate_dialogues
 
-    return (locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system)
+    return (locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system, attributes=attributes)
             + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed))
 
 
@@ -407,7 +412,8 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                                         inputs["index_dir"])
     system = (system_prompt if agent.prompt == "full" else compact_system_prompt)(TOOL_SCHEMAS)
     pretrain = pretrain_dialogues(params, agent, inputs["world_dir"], inputs["index_dir"], all_questions, scene, system)
-    locate = locate_block_dialogues(params, scene, system)
+    attributes = asked_attributes(all_questions)  # the localisation drills ask what the questions ask
+    locate = locate_block_dialogues(params, scene, system, attributes)
     model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
     dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
     examples = render_examples(dialogues, proc, params.max_len, desc="rendering trajectories")
@@ -426,7 +432,8 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                                          fingerprint(fp, "vision"))
         if params.vision_locate_steps:
             pre_stats |= vision_locate(params, model, proc, scene, locate or pretrain,
-                                       outputs["checkpoints"] / "vision_locate", fingerprint(fp, "vision_locate"))
+                                       outputs["checkpoints"] / "vision_locate", fingerprint(fp, "vision_locate"),
+                                       attributes)
         # phase 1, then the localisation block, each with its own checkpoints, so a kill in any phase resumes there
         for name, dialogues, config in (("pretrain", pretrain, params.pretrain_config),
                                         ("locate", locate, params.locate_config)):
@@ -489,18 +496,19 @@ def vision_pretrain(params: Params, model, proc, scene: SceneConfig, ckpt_dir: P
 
 
 def vision_locate(params: Params, model, proc, scene: SceneConfig, drills: list[list[dict]], ckpt_dir: Path,
-                  fp: str) -> dict:
+                  fp: str, attributes: Sequence[str] | None = None) -> dict:
     """Phase 0, localisation (:func:`mars.train.vision.pretrain_vision` with :func:`mars.train.vision.cell_heads`):
     ``vision_locate_steps`` steps teaching the vision tower and projector the framed cell of the localisation
     drills' scenes among ``drills`` (the block's, or phase 1's when there is no block), rate ``vision_lr``; returns
     its metrics, with the read-out's accuracy on ``VISION_TEST_IMAGES`` scenes of another seed (chance: one cell
-    of the grid)."""
+    of the grid; its questions ask about ``attributes``, as in :func:`vision_drills`)."""
     from mars.synth.locate import locate_dialogues
     from mars.train.vision import cell_data, cell_heads, pretrain_vision
 
     rows, cols = scene.grid_rows, scene.grid_cols
     data = cell_data(drills, proc, rows, cols)
-    test = cell_data(locate_dialogues(scene, n=VISION_TEST_IMAGES, seed=params.seed + 99), proc, rows, cols)
+    test = cell_data(locate_dialogues(scene, n=VISION_TEST_IMAGES, seed=params.seed + 99, attributes=attributes),
+                     proc, rows, cols)
     res = pretrain_vision(model.model.visual, data, params.vision_locate_config(),
                           dim=model.config.vision_config.out_hidden_size, ckpt_dir=ckpt_dir, fp=fp, test=test,
                           heads=cell_heads(rows, cols))

@@ -5,7 +5,8 @@ What it does
     the entities, builds perception, search and multi-hop questions (:mod:`mars.world.questions`; open and
     multiple-choice variants, answer aliases, difficulty tags) and assigns splits that are disjoint by scene, with
     a share of test entities never seen in sft or rl (:mod:`mars.synth.splits`). ``<split>_per_type`` caps the
-    questions of each type in each split (the type mix); ``types`` selects the types.
+    questions of each type in each split (the type mix); ``types`` selects the types and ``perception_attributes``
+    what perception questions ask about the framed emblem (fill colour, shape, letter, pattern).
 
     ``source: llm``: for real images, an OpenAI-compatible endpoint (``llm_base_url``, ``llm_model``; key from
     ``llm_api_key_env``) is asked for a search question about each curated image and its caption (a JSONL file
@@ -46,6 +47,7 @@ from mars.data.schemas import CURATED, QUESTIONS
 from mars.agent.config import AgentParams
 from mars.stage import load_section, stage_args, write_metrics
 from mars.synth.splits import SPLITS, plan_splits, split_report
+from mars.world.questions import ATTRIBUTES
 
 SECTION = "synthesize"
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ TYPES = ("perception", "search", "multi-hop")
 class Params:
     source: str = "world"  # world | llm
     types: tuple[str, ...] = TYPES
+    perception_attributes: tuple[str, ...] = ("colour", "shape", "glyph", "pattern")
     frac_sft: float = 0.3
     frac_rl: float = 0.4
     frac_test: float = 0.3
@@ -82,6 +85,10 @@ class Params:
         bad = [t for t in self.types if t not in TYPES]
         if bad or not self.types:
             raise ValueError(f"synthesize.types must be a non-empty subset of {list(TYPES)}, got {list(self.types)}")
+        bad = [a for a in self.perception_attributes if a not in ATTRIBUTES]
+        if bad or not self.perception_attributes:
+            raise ValueError(f"synthesize.perception_attributes must be a non-empty subset of {list(ATTRIBUTES)}, "
+                             f"got {list(self.perception_attributes)}")
         bad = [s for s in self.mine_splits if s not in SPLITS]
         if bad:
             raise ValueError(f"synthesize.mine_splits must be a subset of {list(SPLITS)}, got {list(self.mine_splits)}")
@@ -133,7 +140,7 @@ def world_questions(params: Params, world_dir: Path, curated: pa.Table, out: Pat
     plan = plan_splits(usable, real, fractions=params.fractions,
                        unseen_entity_share=params.unseen_entity_share, seed=params.seed, scene_targets=targets)
     rows = question_rows(tables, scenes_dir, out / "images" / "search", seed=params.seed, root=out,
-                         assign=plan.assign, per_split=params.per_split)
+                         assign=plan.assign, per_split=params.per_split, attributes=params.perception_attributes)
     return [r for r in rows if r["type"] in params.types]
 
 

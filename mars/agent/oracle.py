@@ -19,7 +19,7 @@ What it does
     returned the right entity (top-1 and top-k), the skill a model has to rely on.
 
     :func:`no_tool_policy` answers at once without tools: ``A`` for multiple choice, a fixed year / city / name /
-    shape / letter / pattern otherwise (near chance).
+    colour / shape / letter / pattern otherwise (near chance).
 
     :func:`scripted_backend` routes each dialogue of a batch to its question's policy (by question text; questions
     sharing a text are told apart by a 16x16 thumbnail of image 0).
@@ -55,6 +55,7 @@ from PIL import Image
 from mars.agent.backends import ScriptedBackend
 from mars.agent.engine import EngineConfig, Trajectory, run_episodes
 from mars.agent.protocol import content_text, format_answer, format_tool_call
+from mars.world.questions import asked_attribute, attribute_value
 
 __all__ = [
     "World",
@@ -123,14 +124,11 @@ def load_world_tables(world_dir: str | Path) -> _Tables:
 
 
 def _question_kind(q: dict) -> str:
-    """Which attribute or fact a question asks (shape / glyph / pattern / founded_year / city / founder)."""
+    """Which attribute or fact a question asks (colour / shape / glyph / pattern / founded_year / city / founder)."""
+    attr = asked_attribute(q["question"])
+    if attr is not None:
+        return attr
     text = q["question"].lower()
-    if "what shape" in text:
-        return "shape"
-    if "which letter" in text:
-        return "glyph"
-    if "which pattern" in text:
-        return "pattern"
     if "which year" in text or "founded?" in text:
         return "founded_year"
     if "which city" in text:
@@ -232,7 +230,7 @@ def oracle_policy(question_row: dict, world: World) -> Callable[[list[dict]], st
     name = ent["name"]
 
     def attribute() -> str:
-        return str(json.loads(ent["emblem"])[kind])
+        return str(attribute_value(json.loads(ent["emblem"]), kind))
 
     def zoom() -> str:
         box = zoom_box(world.targets[q["scene_id"]])
@@ -282,7 +280,7 @@ def no_tool_policy(dialogue: list[dict]) -> str:
     if "option's letter" in text:
         guess = "A"
     else:
-        guess = {"shape": "circle", "glyph": "A", "pattern": "stripes", "founded_year": "1900",
+        guess = {"colour": "blue", "shape": "circle", "glyph": "A", "pattern": "stripes", "founded_year": "1900",
                  "city": "Springfield", "founder": "John Smith"}[kind]
     return format_answer(guess, "I will answer without looking closer.")
 

@@ -9,7 +9,7 @@ What it does
 
     - perception: ``image_zoom_in`` on the centre of the red-framed cell (:func:`~mars.agent.oracle.zone_zoom_box`:
       the central ``target_zone`` share of the cell, where the world puts the target), then ``<answer>`` the
-      emblem's shape / letter / pattern;
+      emblem's fill colour / shape / letter / pattern;
     - search: ``image_search(img_idx=0)``, then ``text_search("<top-1 title's name> <fact keyword>")``, then the fact
       read from the snippet titled with that name (no snippet with it: an unsupported guess, which the judge then
       rejects);
@@ -54,12 +54,14 @@ from mars.agent.oracle import (
     zone_zoom_box,
 )
 from mars.agent.protocol import format_tool_call
+from mars.world.questions import attribute_value
 
 __all__ = ["THINK", "teacher_policy", "titles_from_observation", "fact_from_observation"]
 
 _TITLE_SUFFIX = re.compile(r"\s+(logo|emblem|crest|insignia|badge)$")
 _YEAR = re.compile(r"\b(\d{4})\b")
 
+ATTRIBUTE_WORDS = {"colour": "fill colour", "glyph": "letter"}  # how a think names a perception attribute
 THINK = {  # the teacher's <think> wordings per step (also used by the drills of mars.synth)
     "zoom": (
         "The emblem inside the red frame is too small to see; zoom in on the framed region.",
@@ -92,7 +94,7 @@ THINK = {  # the teacher's <think> wordings per step (also used by the drills of
         "The snippet about {name} gives {value}.",
         "According to the document on {name}, the answer is {value}.",
     ),
-    "answer_attr": (
+    "answer_attr": (  # {kind}: ATTRIBUTE_WORDS
         "In the crop the emblem's {kind} is {value}.",
         "The zoomed emblem clearly shows the {kind}: {value}.",
     ),
@@ -221,8 +223,8 @@ def teacher_policy(
                                     think(label, name=name, keyword=keyword))
         # answer
         if qtype == "perception":
-            value = str(json.loads(truth["emblem"])[kind])
-            return _final(q, value, think("answer_attr", kind=kind if kind != "glyph" else "letter", value=value))
+            value = str(attribute_value(json.loads(truth["emblem"]), kind))
+            return _final(q, value, think("answer_attr", kind=ATTRIBUTE_WORDS.get(kind, kind), value=value))
         value = fact_from_observation(_obs_after(dialogue, n - 1), name or "", kind, pools) if name else None
         if value is None:
             return _final(q, "unknown", "The documents do not say; I cannot tell.")

@@ -16,6 +16,8 @@ What it does
     :func:`search_chain` follows the search and multi-hop episodes step by step (is the first image search's top-1
     title the right organisation, does the next text query copy that title, does its result hold the answer, and is
     the answer then right), so ``dvc metrics show`` says which link of the chain fails.
+    :func:`perception_by_attribute` splits perception accuracy by the attribute asked (colour, shape, letter,
+    pattern), so it says which one the policy reads.
 
 Workflows
     ``agentic``: the three tools and the protocol's system prompt (the ``agent`` params section).
@@ -45,7 +47,7 @@ from mars.data.io import atomic_path
 from mars.data.schemas import RESULTS
 
 __all__ = ["ResultStore", "engine_question", "evaluate_model", "result_rows", "summarize", "plot_rows",
-           "first_zoom_framed", "search_chain", "WORKFLOWS"]
+           "first_zoom_framed", "perception_by_attribute", "search_chain", "WORKFLOWS"]
 log = logging.getLogger(__name__)
 WORKFLOWS = ("agentic", "direct")
 _TOOL_COLS = {"image_zoom_in": "n_zoom", "text_search": "n_text_search", "image_search": "n_image_search"}
@@ -227,6 +229,26 @@ def first_zoom_framed(results: pa.Table, scene_of: dict[str, str | None], truth:
             c[0] += zoom_cell(turn, int(t["grid_rows"]), int(t["grid_cols"])) == (t["cell_row"], t["cell_col"])
             break
     return {mw: {"first_zoom_framed": round(hit / n, 4), "scene_episodes": n} for mw, (hit, n) in counts.items()}
+
+
+def perception_by_attribute(results: pa.Table, questions: dict[str, dict]) -> dict:
+    """Perception accuracy per asked attribute, per ``"model/workflow"``: ``{"perception_by_attribute": {"colour":
+    share correct, ...}}`` over the result rows of perception questions (``questions``: question id -> QUESTIONS
+    row; the attribute from the question's wording, :func:`mars.world.questions.asked_attribute`). Runs without
+    perception questions are left out."""
+    from mars.world.questions import asked_attribute
+
+    counts: dict[str, dict[str, list[int]]] = {}
+    for r in results.to_pylist():
+        q = questions.get(r["question_id"])
+        attr = asked_attribute(q["question"]) if q is not None and q.get("type") == "perception" else None
+        if attr is None:
+            continue
+        c = counts.setdefault(f"{r['model']}/{r['workflow']}", {}).setdefault(attr, [0, 0])
+        c[0] += bool(r["correct"])
+        c[1] += 1
+    return {mw: {"perception_by_attribute": {a: round(hit / n, 4) for a, (hit, n) in sorted(by.items())}}
+            for mw, by in counts.items()}
 
 
 def search_chain(results: pa.Table, questions: dict[str, dict], names: dict[str, str]) -> dict:

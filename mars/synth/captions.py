@@ -47,9 +47,9 @@ import numpy as np
 from PIL import Image
 
 from mars.agent.protocol import format_answer
-from mars.agent.teacher import THINK
+from mars.agent.teacher import ATTRIBUTE_WORDS, THINK
 from mars.world.emblems import random_emblem, render_emblem
-from mars.world.questions import ATTRIBUTES, FRAMED_SUBJECT, PERCEPTION_QUESTIONS, question_text
+from mars.world.questions import ATTRIBUTES, FRAMED_SUBJECT, PERCEPTION_QUESTIONS, attribute_value, question_text
 from mars.world.scenes import SceneConfig, add_tiled_noise, background, scene_size, zone_box
 
 __all__ = ["CAPTION_SUBJECT", "ZOOM_LONG_SIDE", "caption_dialogues", "zoom_captions", "zoom_crop"]
@@ -166,13 +166,13 @@ def _attribute_qa(spec: dict, subject: str, wordings: tuple[str, ...], rng: np.r
                   ) -> tuple[str, str]:
     """(question, reply) about one random attribute of an emblem ``spec``: open or multiple choice, the reply in
     the protocol's final-turn format with one of ``wordings`` (``{kind}``, ``{value}``) as its thought."""
-    attrs = [a for a in ATTRIBUTES if spec.get(a) is not None]
+    attrs = [a for a in ATTRIBUTES if attribute_value(spec, a) is not None]
     attr = attrs[int(rng.integers(len(attrs)))]
-    answer = str(spec[attr])
+    answer = str(attribute_value(spec, attr))
     base = PERCEPTION_QUESTIONS[attr].format(subject=subject)
     mcq = bool(rng.random() < mcq_share)
     text, choices, aliases = question_text(base, attr, answer, list(ATTRIBUTES[attr]), rng if mcq else None)
-    think = wordings[int(rng.integers(len(wordings)))].format(kind="letter" if attr == "glyph" else attr, value=answer)
+    think = wordings[int(rng.integers(len(wordings)))].format(kind=ATTRIBUTE_WORDS.get(attr, attr), value=answer)
     if choices:
         return text, format_answer(aliases[0], f"{think} That is option {aliases[0]}.")
     return text, format_answer(answer, think)

@@ -4,7 +4,8 @@ What it does
     :func:`locate_dialogues` draws ``n`` new scenes with the world's scene generator
     (:func:`mars.world.scenes.render_scene`, the world's grid, frame, clutter and target zone, random emblems that
     belong to no entity) at about twice the policy's view, and writes one-turn dialogues: the user turn holds the
-    scene and a perception or multi-hop question (the synthesize stage's templates), the assistant turn is the
+    scene and a perception or multi-hop question (the synthesize stage's templates; the perception questions ask
+    about one of ``attributes``, those the synthesized questions ask), the assistant turn is the
     teacher's first move, ``image_zoom_in`` on the framed cell's target zone
     (:func:`mars.agent.oracle.zone_zoom_box`) with one of the teacher's ``<think>`` wordings. Nothing after the
     zoom is written: the drill teaches where to look, and the agentic trajectories teach the rest.
@@ -35,6 +36,8 @@ How to run (Python)::
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from mars.agent.oracle import zone_zoom_box
@@ -60,14 +63,20 @@ def locate_dialogues(
     mcq_share: float = 0.5,
     perception_share: float = 0.5,
     long_side: tuple[int, int] = LOCATE_LONG_SIDE,
+    attributes: Sequence[str] | None = None,
 ) -> list[list[dict]]:
     """``n`` dialogues ``[system?, user: scene + question, assistant: the zoom call]``; see the module docstring.
 
     ``scene``: the world's scene knobs (:meth:`mars.world.generate.WorldSpec.scene_config`); its long-side bounds
     are replaced by ``long_side``. ``system``: the episodes' system prompt, so the drill's context matches theirs.
+    ``attributes``: what the perception questions may ask (keys of :data:`mars.world.questions.ATTRIBUTES`, all by
+    default), so the drills ask what the synthesized questions ask.
     """
     if n < 0:
         raise ValueError(f"the number of localisation drills must be >= 0, got {n}")
+    attributes = list(ATTRIBUTES if attributes is None else attributes)
+    if not attributes or set(attributes) - set(ATTRIBUTES):
+        raise ValueError(f"attributes must be a non-empty subset of {list(ATTRIBUTES)}, got {attributes}")
     if not (0.0 <= mcq_share <= 1.0 and 0.0 <= perception_share <= 1.0):
         raise ValueError(f"mcq_share and perception_share must be in [0, 1], got {mcq_share}, {perception_share}")
     if n == 0:
@@ -81,7 +90,7 @@ def locate_dialogues(
         image, info = render_scene(rng, scene, pool, size=size)
         mcq = bool(rng.random() < mcq_share)
         if rng.random() < perception_share:
-            attr = list(ATTRIBUTES)[int(rng.integers(len(ATTRIBUTES)))]
+            attr = attributes[int(rng.integers(len(attributes)))]
             values = list(ATTRIBUTES[attr])
             base = PERCEPTION_QUESTIONS[attr].format(subject=FRAMED_SUBJECT)
             text, _, _ = question_text(base, attr, values[int(rng.integers(len(values)))], values,

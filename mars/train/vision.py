@@ -5,12 +5,13 @@ What it does
     :func:`pretrain_vision` trains a model's vision tower and projector (``model.model.visual``) on labelled emblem
     images before any language-model step: a :class:`ReadHeads` read-out (one learned attention query over the
     merged image tokens, the stand-in for the language model's attention to the image, then one linear head per
-    attribute: shape, letter or none, pattern or none) is trained jointly with the tower by AdamW on the sum of the
-    three cross-entropies, then thrown away; only the tower and projector keep what they learned. The images are
-    zoom crops (:func:`mars.synth.captions.zoom_crop`: a new random emblem, of no entity, on a target-zone crop at
-    the world's scale), so the tower learns to read an emblem at the size a zoom shows it. Batches are a seeded
-    function of the step; checkpoints every ``checkpoint_every`` steps (tower, heads, optimizer, step, history) with
-    the run's fingerprint, so a killed run resumes to the same weights as an uninterrupted one.
+    attribute: fill colour, shape, letter or none, pattern or none) is trained jointly with the tower by AdamW on the
+    sum of the heads' cross-entropies, then thrown away; only the tower and projector keep what they learned. The
+    images are zoom crops (:func:`mars.synth.captions.zoom_crop`: a new random emblem, of no entity, on a
+    target-zone crop at the world's scale), so the tower learns to read an emblem at the size a zoom shows it.
+    Batches are a seeded function of the step; checkpoints every ``checkpoint_every`` steps (tower, heads,
+    optimizer, step, history) with the run's fingerprint, so a killed run resumes to the same weights as an
+    uninterrupted one.
     Localisation uses the same loop with one head, the framed cell (:func:`cell_heads`), on the localisation drills'
     scenes in the policy's view (:func:`cell_data`: the label is the cell the teacher's zoom chose).
 
@@ -19,13 +20,17 @@ Why (and the deviation from the paper)
     shapes and letters. The embedded default's tower is random-init, and learning to read through the language
     model's next-token loss did not happen in the SFT budget (2,000 zoom captions in the localisation block:
     perception at the multiple-choice guess; README). Measured with ``bench/probe_read.py``: even this direct
-    classification loss leaves the tower at chance at ``sft.vision_lr`` (2e-3, 800 steps, at 96x2 and at 192x4); at
-    5e-4 it learns shape and pattern after a phase change of hundreds of steps, letters not at all (README,
-    Results). This phase is therefore a stand-in for the base model's vision pre-training (supervised, as ViTs were
-    pre-trained on labelled images), like phase 1 for its language pre-training. Measured in the pipeline (README):
+    classification loss leaves shape, letter and pattern at chance at ``sft.vision_lr`` (2e-3, 800 steps, at 96x2
+    and at 192x4); at 5e-4 it learns shape and pattern after a phase change of hundreds of steps, letters not at
+    all; the fill colour is read at 2e-3 within 200 steps (23% of held-out crops at the default zone, 51% at
+    ``world.target_zone`` 0.18; chance 6%) (README, Results). This phase is therefore a stand-in for the base
+    model's vision pre-training (supervised, as ViTs were pre-trained on labelled images), like phase 1 for its
+    language pre-training. Measured in the pipeline (README):
     3,000 steps with ``world.target_zone`` 0.18 reach shape 29%, pattern 32%, letter 1% on held-out crops, and the
-    SFT model's perception stayed at 20%; so it is off by default (``sft.vision_pretrain_steps: 0``), and it is
-    refused with ``sft.freeze_vision`` (a pretrained checkpoint's tower).
+    SFT model's perception stayed at 20%; with colour questions (session 15), 400 steps at 2e-3 read the fill of
+    half the held-out crops and the SFT model answered 2 of 16 colour questions. So it is off by default
+    (``sft.vision_pretrain_steps: 0``), and it is refused with ``sft.freeze_vision`` (a pretrained checkpoint's
+    tower).
     Localisation: the sft stage's localisation block teaches the first zoom through the language model's loss, and
     whether the tower found the frame that way varied between runs (30-79 of 80 held-out scenes framed with the
     same block; README). Taught directly (``bench/probe_locate.py``: 100% of held-out scenes in 100-150 steps at
@@ -48,14 +53,15 @@ import torch
 from tqdm.auto import tqdm
 
 from mars.train.checkpoint import latest_state, save_state
-from mars.world.emblems import GLYPHS, PATTERNS, SHAPES
+from mars.world.emblems import GLYPHS, PALETTE, PATTERNS, SHAPES
 
 __all__ = ["HEADS", "ReadHeads", "VisionPretrainConfig", "cell_data", "cell_heads", "emblem_labels", "pixel_batch",
            "read_accuracy", "pretrain_vision", "zoom_read_data"]
 log = logging.getLogger(__name__)
 
 # classes per attribute; the last class of glyph and pattern is "none drawn"
-HEADS: dict[str, int] = {"shape": len(SHAPES), "glyph": len(GLYPHS) + 1, "pattern": len(PATTERNS) + 1}
+HEADS: dict[str, int] = {"colour": len(PALETTE), "shape": len(SHAPES), "glyph": len(GLYPHS) + 1,
+                         "pattern": len(PATTERNS) + 1}
 NONE_LAST = frozenset({"glyph", "pattern"})  # heads whose last class means "none drawn" (not scored)
 Labelled = tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]  # (pixel_values, image_grid_thw [1, 3], one per head)
 
@@ -65,10 +71,11 @@ def cell_heads(grid_rows: int, grid_cols: int) -> dict[str, int]:
     return {"cell": grid_rows * grid_cols}
 
 
-def emblem_labels(spec: dict) -> tuple[int, int, int]:
-    """(shape, glyph, pattern) class indices of an emblem spec; a missing glyph or pattern is the last class."""
+def emblem_labels(spec: dict) -> tuple[int, int, int, int]:
+    """(fill colour, shape, glyph, pattern) class indices of an emblem spec (the order of :data:`HEADS`); a missing
+    glyph or pattern is the last class."""
     g, p = spec.get("glyph"), spec.get("pattern")
-    return (SHAPES.index(spec["shape"]), GLYPHS.index(g) if g else len(GLYPHS),
+    return (PALETTE.index(spec["fill"]), SHAPES.index(spec["shape"]), GLYPHS.index(g) if g else len(GLYPHS),
             PATTERNS.index(p) if p else len(PATTERNS))
 
 

@@ -5,7 +5,8 @@ An emblem spec is a small JSON-serialisable dict::
     {"shape": "hexagon", "fill": "#1f3a93", "border": "#f4d35e", "accent": "#2e9e44" or None,
      "glyph": "K" or None, "pattern": "stripes" or None}
 
-with two or three distinct colours and at least one of glyph / pattern. :func:`random_emblem`
+with two or three distinct colours (each from ``PALETTE``, named by ``COLOUR_NAMES``) and at least one of
+glyph / pattern. :func:`random_emblem`
 draws one, :func:`emblem_json` serialises it canonically (sorted keys, stored in
 ``entities.emblem``), :func:`render_emblem` draws it as an RGBA image of a given size and
 rotation (supersampled, so small renderings stay clean), and :func:`render_gallery_image` makes one
@@ -34,6 +35,11 @@ PALETTE: tuple[str, ...] = (
     "#1f3a93", "#2e6fdb", "#5bc0eb", "#0f8b8d", "#2e9e44", "#9bc53d", "#f4d35e", "#d4a017",
     "#f28c28", "#7b1e3a", "#6a4c93", "#e07a9f", "#8b5a2b", "#1b1b1b", "#f5f5f5", "#8d99ae",
 )
+# one plain word per palette colour: what a perception question about an emblem's fill answers
+COLOUR_NAMES: dict[str, str] = dict(zip(PALETTE, (
+    "navy", "blue", "sky", "teal", "green", "lime", "yellow", "gold",
+    "orange", "maroon", "purple", "pink", "brown", "black", "white", "grey",
+)))
 MIN_CONTRAST = 0.3  # luminance difference between fill and border (the glyph is drawn in border)
 SUPERSAMPLE = 4  # for small emblems; large ones use less (see supersample_for)
 SUPERSAMPLED_MAX = 768  # largest supersampled canvas side

@@ -5,8 +5,13 @@ What it does
     (:data:`mars.data.schemas.QUESTIONS`) with three types:
 
     - ``perception`` (like V* / HR-Bench): the image is a high-resolution scene; the answer is visible in a crop of
-      the emblem inside the red frame: its ``shape``, its ``letter`` (glyph) or its ``pattern``. At the resolution
-      the policy sees the whole scene the emblem is a few pixels, so a zoom is needed.
+      the emblem inside the red frame: its fill ``colour`` (one of 16 named palette colours; V*'s attribute-
+      recognition questions ask about colour and material), its ``shape``, its ``letter`` (glyph) or its
+      ``pattern``. At the resolution the policy sees the whole scene the emblem is a few pixels, so a zoom is
+      needed. The colour is the one attribute the embedded default's random-init vision tower learns to read at the
+      zoom's scale in the budget (letters stay at chance, shapes and patterns need emblems about twice as large),
+      yet the SFT model did not learn to answer it (README, Results, session 15); the synthesize stage's
+      ``perception_attributes`` picks which attributes are asked (shape, letter and pattern by default).
     - ``search`` (like MMSearch): the image is one large rendering of an entity's emblem (a fresh gallery-style
       rendering with its own noise, rotation and background, never in the image index); the question asks a fact
       (founding year, city, founder) that only the text corpus holds: image_search, then text_search.
@@ -48,32 +53,37 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 from PIL import Image
 
 from mars.data.schemas import QUESTIONS
-from mars.world.emblems import GLYPHS, PATTERNS, SHAPES, render_gallery_image
+from mars.world.emblems import COLOUR_NAMES, GLYPHS, PATTERNS, SHAPES, render_gallery_image
 
-__all__ = ["QUESTION_TYPES", "FACTS", "ATTRIBUTES", "FACT_QUESTIONS", "PERCEPTION_QUESTIONS", "SEARCH_SUBJECT",
-           "make_questions", "load_question_image", "question_rows", "question_text"]
+__all__ = ["QUESTION_TYPES", "FACTS", "ATTRIBUTES", "asked_attribute", "asked_attributes", "attribute_value",
+           "FACT_QUESTIONS", "PERCEPTION_QUESTIONS", "SEARCH_SUBJECT", "make_questions", "load_question_image",
+           "question_rows", "question_text"]
 
 QUESTION_TYPES: tuple[str, ...] = ("perception", "search", "multi-hop")
-ATTRIBUTES: dict[str, tuple[str, ...]] = {"shape": SHAPES, "glyph": tuple(GLYPHS), "pattern": PATTERNS}
+# what a perception question can ask about the framed emblem, and each attribute's values (MCQ options)
+ATTRIBUTES: dict[str, tuple[str, ...]] = {"colour": tuple(COLOUR_NAMES.values()), "shape": SHAPES,
+                                          "glyph": tuple(GLYPHS), "pattern": PATTERNS}
 FACTS: tuple[str, ...] = ("founded_year", "city", "founder")
 SEARCH_IMAGE_SIZE = 448
 STREAM_SHUFFLE, STREAM_CHOICES, STREAM_RENDER = 21, 22, 23
 LETTERS = "ABCD"
 
 PERCEPTION_QUESTIONS = {  # {subject}: "the emblem inside the red frame" in scene questions
+    "colour": "What colour is {subject} filled with?",
     "shape": "What shape is {subject}?",
     "glyph": "Which letter is drawn on {subject}?",
     "pattern": "Which pattern is drawn on {subject}?",
 }
 FRAMED_SUBJECT = "the emblem inside the red frame"
 OPEN_HINTS = {
+    "colour": "Answer with one word (e.g. blue, orange).",
     "shape": "Answer with one word (e.g. circle, hexagon).",
     "glyph": "Answer with the letter.",
     "pattern": f"Answer with one of: {', '.join(PATTERNS)}.",
@@ -127,6 +137,34 @@ def _mcq_text(question: str, choices: dict[str, str]) -> str:
     return "\n".join(lines) + "\nAnswer with the option's letter."
 
 
+def asked_attribute(question: str) -> str | None:
+    """Which attribute (:data:`ATTRIBUTES`) a perception question's text asks about, from the wording of
+    :data:`PERCEPTION_QUESTIONS` (any subject); None for other questions."""
+    text = question.lower()
+    for key, template in PERCEPTION_QUESTIONS.items():
+        if template.split("{subject}")[0].lower() in text:
+            return key
+    return None
+
+
+def asked_attributes(rows: Sequence[dict]) -> tuple[str, ...] | None:
+    """The attributes the perception questions among ``rows`` (QUESTIONS rows) ask, in :data:`ATTRIBUTES` order;
+    None when there are no perception questions."""
+    asked = {asked_attribute(r["question"]) for r in rows if r.get("type") == "perception"} - {None}
+    return tuple(a for a in ATTRIBUTES if a in asked) or None
+
+
+def attribute_value(spec: dict, key: str) -> str | None:
+    """The answer to a perception question about ``key`` (:data:`ATTRIBUTES`) for an emblem spec: the fill's colour
+    name for ``colour``, else the spec's own value (None when the emblem has no glyph or no pattern)."""
+    if key not in ATTRIBUTES:
+        raise ValueError(f"unknown perception attribute {key!r}; choose from {sorted(ATTRIBUTES)}")
+    if key == "colour":
+        return COLOUR_NAMES[spec["fill"]]
+    value = spec.get(key)
+    return None if value is None else str(value)
+
+
 def _fact(entity: dict, key: str) -> str:
     return str(entity[key])
 
@@ -141,8 +179,11 @@ def question_rows(
     root: str | Path | None = None,
     assign: Callable[[str, str | None, str], str | None] | None = None,
     per_split: dict[str, int] | None = None,
+    attributes: Sequence[str] | None = None,
 ) -> list[dict]:
     """The rows of :func:`make_questions` as dicts (search images are written as a side effect).
+
+    ``attributes``: what perception questions may ask (a subset of :data:`ATTRIBUTES`, all by default).
 
     With ``assign(type, scene_id, entity_id) -> split or None`` (None drops the candidate) and ``per_split``
     (the most questions of each type per split), candidates are taken in the same shuffled order until every
@@ -153,6 +194,11 @@ def question_rows(
     search_dir = Path(search_dir) if search_dir is not None else root / "questions"
     if n_per_type < 0:
         raise ValueError(f"n_per_type must be >= 0, got {n_per_type}")
+    attributes = tuple(ATTRIBUTES if attributes is None else attributes)
+    unknown = sorted(set(attributes) - set(ATTRIBUTES))
+    if unknown or not attributes:
+        raise ValueError(f"perception attributes must be a non-empty subset of {list(ATTRIBUTES)}, got "
+                         f"{list(attributes)}" + (f" (unknown: {unknown})" if unknown else ""))
 
     entities = {r["entity_id"]: r for r in tables.entities.to_pylist()}
     real = sorted(e for e, r in entities.items() if not r["is_distractor"])
@@ -166,8 +212,8 @@ def question_rows(
     cands: dict[str, list[_Candidate]] = {t: [] for t in QUESTION_TYPES}
     for t in targets:
         spec = json.loads(entities[t["entity_id"]]["emblem"])
-        for attr in ATTRIBUTES:
-            if spec.get(attr) is None:
+        for attr in attributes:
+            if attribute_value(spec, attr) is None:
                 continue
             for mcq in (True, False):
                 cands["perception"].append(_Candidate("perception", attr, mcq, t["entity_id"], t["scene_id"],
@@ -203,7 +249,7 @@ def question_rows(
             ent = entities[c.entity_id]
             rng = np.random.default_rng([seed, STREAM_CHOICES, ti, k])
             if qtype == "perception":
-                answer = str(json.loads(ent["emblem"])[c.key])
+                answer = str(attribute_value(json.loads(ent["emblem"]), c.key))
                 base, pool_vals = PERCEPTION_QUESTIONS[c.key].format(subject=FRAMED_SUBJECT), list(ATTRIBUTES[c.key])
             else:
                 answer = _fact(ent, c.key)

@@ -70,3 +70,31 @@ def test_cli_prints_accuracy_table(smoke, tmp_path, capsys):
     out = capsys.readouterr().out
     for word in ("perception", "search", "multi-hop", "oracle", "no-tool"):
         assert word in out
+
+
+def test_perception_questions_ask_the_chosen_attributes(smoke, tmp_path):
+    import json
+
+    from mars.world.emblems import COLOUR_NAMES
+    from mars.world.questions import attribute_value, question_rows
+
+    emblems = {e["entity_id"]: json.loads(e["emblem"]) for e in smoke["tables"].entities.to_pylist() if e["emblem"]}
+    perc = [q for q in smoke["questions"] if q["type"] == "perception"]
+    colour = [q for q in perc if q["question"].startswith("What colour is the emblem inside the red frame filled")]
+    assert colour and len(colour) < len(perc)  # the default asks all four attributes
+    for q in colour:  # the answer is the name of the framed emblem's fill
+        assert q["answer"] == COLOUR_NAMES[emblems[q["entity_id"]]["fill"]]
+    assert attribute_value({"fill": "#f28c28", "shape": "star", "glyph": None}, "colour") == "orange"
+    assert attribute_value({"fill": "#f28c28", "shape": "star", "glyph": None}, "glyph") is None
+    with pytest.raises(ValueError, match="unknown perception attribute 'size'"):
+        attribute_value({}, "size")
+
+    only = question_rows(smoke["tables"], smoke["world"] / "raw", tmp_path, seed=0, n_per_type=20,
+                         attributes=["colour"])
+    asked = [q for q in only if q["type"] == "perception"]
+    assert asked and all(q["question"].startswith("What colour") for q in asked)
+    assert all(q["answer"] in COLOUR_NAMES.values() for q in asked)
+    with pytest.raises(ValueError, match=r"non-empty subset of \['colour', 'shape', 'glyph', 'pattern'\].*unknown: \['hue'\]"):
+        question_rows(smoke["tables"], smoke["world"] / "raw", tmp_path, attributes=["colour", "hue"])
+    with pytest.raises(ValueError, match="non-empty subset"):
+        question_rows(smoke["tables"], smoke["world"] / "raw", tmp_path, attributes=[])

@@ -27,6 +27,7 @@ import yaml
 
 from mars.agent.config import AgentParams
 from mars.params import load_params
+from mars.world.questions import asked_attribute
 from stages import curate, evaluate, index, sft, synthesize, world
 from tests.conftest import REPO, sh, sub_env
 from tests.synth.test_llm import REPLIES, server  # noqa: F401  (a real OpenAI-compatible test server)
@@ -141,6 +142,9 @@ def test_synthesize_rejects_bad_params(built, tmp_path):
     assert not (tmp_path / "bad").exists() and not (tmp_path / "b.json").exists()
     p = write_params(tmp_path, "types", sections={"synthesize": {"types": ["bogus"]}})
     with pytest.raises(ValueError, match="bogus"):
+        load_params("synthesize", synthesize.Params, p)
+    p = write_params(tmp_path, "attrs", sections={"synthesize": {"perception_attributes": ["colour", "size"]}})
+    with pytest.raises(ValueError, match=r"synthesize.perception_attributes must be a non-empty subset.*'size'"):
         load_params("synthesize", synthesize.Params, p)
 
 
@@ -498,6 +502,10 @@ def test_evaluate_smoke(trained, tmp_path):
     oracle = test["oracle/agentic"]
     assert oracle["chain_snippet_has_answer"] == oracle["chain_right_given_snippet"] == 1.0
     assert test["base/agentic"]["chain_top1_right"] == 0.0 and test["base/agentic"]["chain_right_given_snippet"] is None
+    # perception by asked attribute: the oracle reads every one the test split asks
+    asked = {asked_attribute(q["question"]) for q in questions(b, "test") if q["type"] == "perception"}
+    assert asked and set(oracle["perception_by_attribute"]) == asked
+    assert set(oracle["perception_by_attribute"].values()) == {1.0}
     assert json.loads((tmp_path / "m.json").read_text()) == json.loads(json.dumps(metrics))
     assert (tmp_path / "out/report.html").stat().st_size > 1000
     for name in ("accuracy", "tool_calls"):

@@ -12,6 +12,7 @@ from PIL import Image
 from mars.agent.protocol import parse_turn
 from mars.synth.captions import caption_dialogues
 from mars.world.generate import WorldSpec, generate_world
+from mars.world.emblems import COLOUR_NAMES
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +46,18 @@ def test_captions_ask_about_the_rendered_emblem_and_answer_right(world):
         assert ent not in held_out
         turn = parse_turn(assistant["content"])
         assert turn.action == "answer" and turn.well_formed
-        attr = "shape" if text.startswith("What shape") else "glyph" if text.startswith("Which letter") else "pattern"
+        attr = ("colour" if text.startswith("What colour") else "shape" if text.startswith("What shape")
+                else "glyph" if text.startswith("Which letter") else "pattern")
         assert "this emblem" in text and "red frame" not in text
         seen_attrs.add(attr)
-        truth = str(specs[ent][attr])
+        truth = COLOUR_NAMES[specs[ent]["fill"]] if attr == "colour" else str(specs[ent][attr])
         if "\nA. " in text:  # multiple choice: the answer is the letter of the true value
             n_mcq += 1
             options = dict(line.split(". ", 1) for line in text.splitlines()[1:5])
             assert options[turn.answer] == truth
         else:
             assert turn.answer == truth
-    assert seen_attrs == {"shape", "glyph", "pattern"}
+    assert seen_attrs == {"colour", "shape", "glyph", "pattern"}
     assert 15 <= n_mcq <= 45  # mcq_share 0.5 of 60
     # every eligible rendering is used once before any repeats
     used = [_entity(u["content"][0]["image"], by_pixels) for u, _ in dialogues]
@@ -86,7 +88,7 @@ def test_zoom_captions_show_a_new_emblem_at_the_zooms_scale():
     scene = WorldSpec().scene_config()
     dialogues = zoom_captions(scene, n=30, seed=0)
     assert len(dialogues) == 30
-    values = set(SHAPES) | set(PATTERNS) | set(GLYPHS)
+    values = set(SHAPES) | set(PATTERNS) | set(GLYPHS) | set(COLOUR_NAMES.values())
     formats = set()
     for user, assistant in dialogues:
         image, question = user["content"][0]["image"], user["content"][1]["text"]

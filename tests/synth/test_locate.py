@@ -11,7 +11,8 @@ from mars.agent.protocol import parse_turn
 from mars.synth.locate import locate_dialogues, located_cell, zoom_cell, zooms_on_scene
 from mars.world.generate import WorldSpec
 from mars.world.scenes import CUE_COLOUR
-from mars.world.questions import FRAMED_SUBJECT, MULTIHOP_SUBJECT
+from mars.world.questions import (ATTRIBUTES, FRAMED_SUBJECT, MULTIHOP_SUBJECT, PERCEPTION_QUESTIONS, asked_attribute,
+                                  asked_attributes)
 
 
 def _red_cell(image, rows: int, cols: int) -> tuple[int, int]:
@@ -95,3 +96,20 @@ def test_drills_are_seeded_new_scenes_and_fail_clearly():
         locate_dialogues(scene, n=-1)
     with pytest.raises(ValueError, match="mcq_share"):
         locate_dialogues(scene, n=1, mcq_share=1.5)
+
+
+def test_drills_ask_only_the_given_attributes():
+    """The perception drills ask what the synthesized questions ask (sft passes asked_attributes of its questions)."""
+    scene = WorldSpec().scene_config()
+    rows = [{"type": "perception", "question": PERCEPTION_QUESTIONS[a].format(subject=FRAMED_SUBJECT)}
+            for a in ("glyph", "shape", "glyph")] + [{"type": "search", "question": "Which city is it in?"}]
+    assert asked_attributes(rows) == ("shape", "glyph")  # ATTRIBUTES order, each once
+    assert asked_attributes(rows[3:]) is None
+    drills = locate_dialogues(scene, n=40, seed=1, perception_share=1.0, attributes=asked_attributes(rows))
+    asked = Counter(asked_attribute(u["content"][1]["text"]) for u, _ in drills)
+    assert set(asked) == {"shape", "glyph"} and min(asked.values()) >= 10, asked  # 40 draws over 2 attributes
+    everything = locate_dialogues(scene, n=40, seed=1, perception_share=1.0)
+    assert set(Counter(asked_attribute(u["content"][1]["text"]) for u, _ in everything)) == set(ATTRIBUTES)
+    for bad in ((), ("colour", "size")):
+        with pytest.raises(ValueError, match="non-empty subset"):
+            locate_dialogues(scene, n=1, attributes=bad)

@@ -43,11 +43,12 @@ def tower(tok, seed: int = 0):
 
 
 def test_emblem_labels_index_the_attribute_tables():
+    # PALETTE = ("#1f3a93", "#2e6fdb", ...): #2e6fdb is 1, #8d99ae (the last of 16) is 15;
     # SHAPES = (circle, square, triangle, hexagon, ...): hexagon is 3; GLYPHS = "ABCDEFGHJKLMN...": K is 9 (no I);
     # PATTERNS = (stripes, dots, cross, ...): cross is 2; a missing glyph or pattern is the last class (24, 7)
-    assert emblem_labels({"shape": "hexagon", "glyph": "K", "pattern": "cross"}) == (3, 9, 2)
-    assert emblem_labels({"shape": "circle", "glyph": None, "pattern": None}) == (0, 24, 7)
-    assert HEADS == {"shape": 8, "glyph": 25, "pattern": 8}
+    assert emblem_labels({"fill": "#2e6fdb", "shape": "hexagon", "glyph": "K", "pattern": "cross"}) == (1, 3, 9, 2)
+    assert emblem_labels({"fill": "#8d99ae", "shape": "circle", "glyph": None, "pattern": None}) == (15, 0, 24, 7)
+    assert HEADS == {"colour": 16, "shape": 8, "glyph": 25, "pattern": 8}
 
 
 def test_zoom_read_data_is_the_zoom_crops_in_the_view(stack):
@@ -68,7 +69,7 @@ def test_read_heads_give_one_row_per_image():
     heads = ReadHeads(16)
     grid = torch.tensor([[1, 4, 4], [1, 4, 6]])  # 4 and 6 merged tokens
     out = heads(torch.randn(10, 16), grid)
-    assert [tuple(o.shape) for o in out] == [(2, 8), (2, 25), (2, 8)]
+    assert [tuple(o.shape) for o in out] == [(2, 16), (2, 8), (2, 25), (2, 8)]
 
 
 def test_read_accuracy_counts_letters_and_patterns_only_where_drawn(stack):
@@ -76,19 +77,20 @@ def test_read_accuracy_counts_letters_and_patterns_only_where_drawn(stack):
     visual, dim = tower(tok)
     data = zoom_read_data(scene, proc, 20, seed=1)
     heads = ReadHeads(dim)
-    with torch.no_grad():  # constant predictions: shape 0 (circle), letter A, pattern "none"
-        for h, cls in zip(heads.heads, (0, 0, 7)):
+    with torch.no_grad():  # constant predictions: colour 0 (navy), shape 0 (circle), letter A, pattern "none"
+        for h, cls in zip(heads.heads, (0, 0, 0, 7)):
             h.weight.zero_()
             h.bias.zero_()
             h.bias[cls] = 1.0
     visual.train()
     acc = read_accuracy(visual, heads, data)
     ys = np.array([d[2] for d in data])
-    # shape: the share of circles; letter: the share of A among crops with a letter; pattern: predicting "none" is
-    # never right over the crops that have a pattern
-    assert acc["shape"] == pytest.approx(float(np.mean(ys[:, 0] == 0)))
-    has = ys[:, 1] < 24
-    assert acc["glyph"] == pytest.approx(float(np.mean(ys[has, 1] == 0)))
+    # colour: the share of navy fills; shape: the share of circles; letter: the share of A among crops with a
+    # letter; pattern: predicting "none" is never right over the crops that have a pattern
+    assert acc["colour"] == pytest.approx(float(np.mean(ys[:, 0] == 0)))
+    assert acc["shape"] == pytest.approx(float(np.mean(ys[:, 1] == 0)))
+    has = ys[:, 2] < 24
+    assert acc["glyph"] == pytest.approx(float(np.mean(ys[has, 2] == 0)))
     assert acc["pattern"] == 0.0
     assert visual.training  # the mode is restored
 

@@ -37,6 +37,8 @@ SPLITS = ("sft", "rl", "test")
 # questions): loss_first (mean of the first 10 steps) 5.385, loss_final (mean of the last 10) 0.0364; at 60 steps
 # the final loss was 0.64 and no episode was well formed. Well formed at 100 steps: 19/19 of the questions the teacher
 # solved (trained on), 4/7 of the others (their image search names a wrong entity: dialogues never seen), 23/26 = 0.885.
+# With phase 1 (profiles.smoke.sft: 100 steps on 400 drills, then 140 steps on 22 trajectories of 26 sft questions,
+# session 15): loss_first 3.184, loss_final 0.0104, well formed 22/22 solved and 25/26 of all sft questions.
 LOSS_FINAL_MAX = 0.15
 
 

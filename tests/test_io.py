@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mars.data.io import SchemaError, atomic_path, read_frame, read_table, write_frame, write_table
+from mars.data.io import (SchemaError, atomic_dir, atomic_path, read_frame, read_table, sweep_stale_dirs, write_frame,
+                          write_table)
 
 SCHEMA = pa.schema([pa.field("id", pa.string(), nullable=False), pa.field("w", pa.int32(), nullable=False),
                     pa.field("note", pa.string(), nullable=True)])
@@ -68,3 +71,30 @@ def test_failed_write_leaves_previous_file_intact(tmp_path):
             raise RuntimeError("crash mid-write")
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["t.parquet"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_atomic_dir_tidies_what_killed_runs_left(tmp_path):
+    target = tmp_path / "out"
+    dead, live = _dead_pid(), os.getpid()
+    stale_tmp = tmp_path / f".out.tmp-{dead}-0000aaaa"  # killed inside its block
+    backup = tmp_path / f".out.old-{dead}-0000bbbb"  # killed between its two renames: the only copy of the old out
+    concurrent = tmp_path / f".out.tmp-{live}-0000cccc"  # a run still going
+    for d in (stale_tmp, backup, concurrent):
+        d.mkdir()
+        (d / "f.txt").write_text(d.name)
+    assert sweep_stale_dirs(target) == [(backup, "restored"), (stale_tmp, "removed")]
+    assert (target / "f.txt").read_text() == backup.name  # the previous output is back, not lost
+    assert not stale_tmp.exists() and concurrent.exists()
+
+    backup.mkdir()  # with a target in place, a dead run's backup is garbage
+    with atomic_dir(target) as tmp:
+        assert not backup.exists()
+        (tmp / "g.txt").write_text("new")
+    assert sorted(p.name for p in target.iterdir()) == ["g.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [concurrent.name, "out"]

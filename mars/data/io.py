@@ -3,7 +3,10 @@
 Every artifact has one pyarrow schema in :mod:`mars.data.schemas`. :func:`write_table`
 checks a table against it (column names, order, types and non-null columns) and writes
 atomically: a temp file in the destination directory, fsync, then ``os.replace``, so a
-crash or a failed check never leaves a half-written or clobbered output.
+crash or a failed check never leaves a half-written or clobbered output. :func:`atomic_dir`
+does the same for a whole output directory and first tidies what killed runs left beside it
+(:func:`sweep_stale_dirs`: their staging directories, and a backup of the previous output put
+back if a kill fell between the two renames).
 :func:`read_table` checks what it reads and fails with a :class:`SchemaError` that names
 the file, the column, the expected and the found type, and how to fix it.
 
@@ -14,6 +17,7 @@ checks around ``polars.DataFrame``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -27,6 +31,8 @@ import pyarrow.parquet as pq
 
 if TYPE_CHECKING:  # polars is imported lazily: not every caller needs it
     import polars as pl
+
+log = logging.getLogger(__name__)
 
 
 class SchemaError(ValueError):
@@ -62,6 +68,45 @@ def atomic_open(path: str | Path, mode: str = "w", **kwargs) -> Iterator[IO]:
         yield fh
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep_stale_dirs(target: str | Path) -> list[tuple[Path, str]]:
+    """Tidy what killed runs of :func:`atomic_dir` left beside ``target``; returns ``(path, "removed" | "restored")``
+    for each directory it tidied.
+
+    A run killed inside its block (SIGKILL, power loss: no ``finally`` runs) leaves its staging directory
+    ``.<name>.tmp-<pid>-<hex>``; one killed between its two renames leaves ``target``'s previous contents in
+    ``.<name>.old-<pid>-<hex>`` and no ``target``. For each of those whose process is gone: a staging directory
+    is deleted, a backup is renamed back to ``target`` when ``target`` is missing (nothing written is lost) and
+    deleted otherwise. Directories of live processes (a concurrent run) are left alone.
+    """
+    target = Path(target)
+    done: list[tuple[Path, str]] = []
+    if not target.parent.is_dir():
+        return done
+    for kind in ("old", "tmp"):  # backups first: a restored target must not be deleted as garbage
+        for path in sorted(target.parent.glob(f".{target.name}.{kind}-*")):
+            token = path.name[len(f".{target.name}.{kind}-"):]
+            pid = token.split("-", 1)[0]
+            if not (path.is_dir() and pid.isdigit()) or _pid_alive(int(pid)):
+                continue
+            if kind == "old" and not target.exists():
+                os.replace(path, target)
+                done.append((path, "restored"))
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+                done.append((path, "removed"))
+    return done
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | Path) -> Iterator[Path]:
     """Yield a fresh directory beside ``target``; on success it replaces ``target`` whole.
@@ -70,10 +115,13 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     atomic). An existing ``target`` is renamed to a backup, the new directory renamed into
     place, then the backup deleted; if the second rename fails the backup is put back. On any
     exception inside the block the staging directory is removed and ``target`` is untouched.
+    What killed runs left beside ``target`` is tidied first (:func:`sweep_stale_dirs`).
     """
     target = Path(target)
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
+    for path, action in sweep_stale_dirs(target):
+        log.info("%s %s, left by a killed run", action, path)
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"{target}: exists and is not a directory; remove it or choose another path")
     token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"

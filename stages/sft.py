@@ -333,15 +333,15 @@ def locate_block_dialogues(params: Params, scene: SceneConfig | None = None, sys
 def vision_drills(params: Params, scene: SceneConfig, system: str | None = None,
                   attributes: Sequence[str] | None = None) -> list[list[dict]]:
     """``pretrain_locate`` localisation drills on new scenes drawn with the world's ``scene`` knobs
-    (:mod:`mars.synth.locate`, with the episodes' ``system`` prompt; their perception questions ask about
-    ``attributes``, :func:`mars.world.questions.asked_attributes` of the questions file, all when None) and
-    ``pretrain_zoom_captions`` new emblems at a zoom's scale (:func:`mars.synth.captions.zoom_captions`): phase 1's
-    when ``locate_steps`` is 0, else the block's."""
+    (:mod:`mars.synth.locate`, with the episodes' ``system`` prompt) and ``pretrain_zoom_captions`` new emblems at a
+    zoom's scale (:func:`mars.synth.captions.zoom_captions`), both asking about ``attributes``
+    (:func:`mars.world.questions.asked_attributes` of the questions file; all when None): phase 1's when
+    ``locate_steps`` is 0, else the block's."""
     from mars.synth.captions import zoom_captions
     from mars.synth.locate import locate_dialogues
 
     return (locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system, attributes=attributes)
-            + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed))
+            + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed, attributes=attributes))
 
 
 def _check_scene(params: Params, scene: SceneConfig | None) -> None:

@@ -40,7 +40,7 @@ How to run (Python)::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -117,12 +117,17 @@ def caption_dialogues(
 
 
 def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float = 0.5,
-                  max_side: int = ZOOM_LONG_SIDE) -> list[list[dict]]:
+                  max_side: int = ZOOM_LONG_SIDE, attributes: Sequence[str] | None = None) -> list[list[dict]]:
     """``n`` dialogues ``[user: a zone crop + perception question, assistant: the teacher's answer]`` about new random
     emblems drawn at the scale of a zoom on ``scene``'s target zone (module docstring, "Zoom captions"); a crop
-    longer than ``max_side`` pixels is scaled down to it (the processor shrinks it to the policy's view anyway)."""
+    longer than ``max_side`` pixels is scaled down to it (the processor shrinks it to the policy's view anyway).
+    ``attributes``: what the questions may ask (keys of :data:`~mars.world.questions.ATTRIBUTES`, all by default);
+    an emblem with none of them (no glyph for a letter-only draw) is drawn again."""
     if n < 0:
         raise ValueError(f"the number of zoom captions must be >= 0, got {n}")
+    attributes = tuple(ATTRIBUTES if attributes is None else attributes)
+    if not attributes or set(attributes) - set(ATTRIBUTES):
+        raise ValueError(f"attributes must be a non-empty subset of {list(ATTRIBUTES)}, got {list(attributes)}")
     if not 0.0 <= mcq_share <= 1.0:
         raise ValueError(f"mcq_share must be in [0, 1], got {mcq_share}")
     if max_side < 28:
@@ -131,7 +136,9 @@ def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float
     out: list[list[dict]] = []
     for _ in range(n):
         img, spec = zoom_crop(scene, rng, max_side)
-        text, reply = _attribute_qa(spec, FRAMED_SUBJECT, THINK["answer_attr"], rng, mcq_share)
+        while not any(attribute_value(spec, a) is not None for a in attributes):
+            img, spec = zoom_crop(scene, rng, max_side)
+        text, reply = _attribute_qa(spec, FRAMED_SUBJECT, THINK["answer_attr"], rng, mcq_share, attributes)
         out.append([
             {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": text}]},
             {"role": "assistant", "content": reply},
@@ -162,11 +169,12 @@ def zoom_crop(scene: SceneConfig, rng: np.random.Generator, max_side: int = ZOOM
     return img, spec
 
 
-def _attribute_qa(spec: dict, subject: str, wordings: tuple[str, ...], rng: np.random.Generator, mcq_share: float
-                  ) -> tuple[str, str]:
-    """(question, reply) about one random attribute of an emblem ``spec``: open or multiple choice, the reply in
-    the protocol's final-turn format with one of ``wordings`` (``{kind}``, ``{value}``) as its thought."""
-    attrs = [a for a in ATTRIBUTES if attribute_value(spec, a) is not None]
+def _attribute_qa(spec: dict, subject: str, wordings: tuple[str, ...], rng: np.random.Generator, mcq_share: float,
+                  attributes: Sequence[str] | None = None) -> tuple[str, str]:
+    """(question, reply) about one random attribute of an emblem ``spec`` (among ``attributes``, all by default):
+    open or multiple choice, the reply in the protocol's final-turn format with one of ``wordings`` (``{kind}``,
+    ``{value}``) as its thought."""
+    attrs = [a for a in (attributes or ATTRIBUTES) if attribute_value(spec, a) is not None]
     attr = attrs[int(rng.integers(len(attrs)))]
     answer = str(attribute_value(spec, attr))
     base = PERCEPTION_QUESTIONS[attr].format(subject=subject)

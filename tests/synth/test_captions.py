@@ -126,3 +126,18 @@ def test_zoom_captions_show_a_new_emblem_at_the_zooms_scale():
     for d, ref in zip(small, dialogues):
         im, big = d[0]["content"][0]["image"], ref[0]["content"][0]["image"]
         assert max(im.size) == 64 and abs(im.size[0] / im.size[1] - big.size[0] / big.size[1]) < 0.05
+
+
+def test_zoom_captions_ask_only_the_given_attributes():
+    from mars.synth.captions import zoom_captions
+    from mars.world.questions import asked_attribute
+
+    scene = WorldSpec().scene_config()
+    for attrs in (("colour",), ("glyph",), ("shape", "pattern")):
+        dialogues = zoom_captions(scene, n=12, seed=2, mcq_share=0.0, attributes=attrs, max_side=64)
+        asked = {asked_attribute(u["content"][1]["text"]) for u, _ in dialogues}
+        assert asked <= set(attrs) and len(asked) == len(attrs), (attrs, asked)
+        for _, assistant in dialogues:  # an emblem without a glyph is drawn again, never asked about its letter
+            assert parse_turn(assistant["content"]).answer not in ("", "None"), assistant["content"]
+    with pytest.raises(ValueError, match="non-empty subset"):
+        zoom_captions(scene, n=1, attributes=("size",))

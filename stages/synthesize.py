@@ -58,7 +58,7 @@ TYPES = ("perception", "search", "multi-hop")
 class Params:
     source: str = "world"  # world | llm
     types: tuple[str, ...] = TYPES
-    perception_attributes: tuple[str, ...] = ("colour", "shape", "glyph", "pattern")
+    perception_attributes: tuple[str, ...] = ("shape", "glyph", "pattern")  # colour too: mars.world.questions
     frac_sft: float = 0.3
     frac_rl: float = 0.4
     frac_test: float = 0.3

@@ -94,7 +94,8 @@ def test_perception_questions_ask_the_chosen_attributes(smoke, tmp_path):
     asked = [q for q in only if q["type"] == "perception"]
     assert asked and all(q["question"].startswith("What colour") for q in asked)
     assert all(q["answer"] in COLOUR_NAMES.values() for q in asked)
-    with pytest.raises(ValueError, match=r"non-empty subset of \['colour', 'shape', 'glyph', 'pattern'\].*unknown: \['hue'\]"):
+    with pytest.raises(ValueError,
+                       match=r"non-empty subset of \['colour', 'shape', 'glyph', 'pattern'\].*unknown: \['hue'\]"):
         question_rows(smoke["tables"], smoke["world"] / "raw", tmp_path, attributes=["colour", "hue"])
     with pytest.raises(ValueError, match="non-empty subset"):
         question_rows(smoke["tables"], smoke["world"] / "raw", tmp_path, attributes=[])

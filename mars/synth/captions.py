@@ -49,7 +49,8 @@ from PIL import Image
 from mars.agent.protocol import format_answer
 from mars.agent.teacher import ATTRIBUTE_WORDS, THINK
 from mars.world.emblems import random_emblem, render_emblem
-from mars.world.questions import ATTRIBUTES, FRAMED_SUBJECT, PERCEPTION_QUESTIONS, attribute_value, question_text
+from mars.world.questions import (ATTRIBUTES, FRAMED_SUBJECT, PERCEPTION_QUESTIONS, attribute_value, check_attributes,
+                                  question_text)
 from mars.world.scenes import SceneConfig, add_tiled_noise, background, scene_size, zone_box
 
 __all__ = ["CAPTION_SUBJECT", "ZOOM_LONG_SIDE", "caption_dialogues", "zoom_captions", "zoom_crop"]
@@ -125,9 +126,7 @@ def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float
     an emblem with none of them (no glyph for a letter-only draw) is drawn again."""
     if n < 0:
         raise ValueError(f"the number of zoom captions must be >= 0, got {n}")
-    attributes = tuple(ATTRIBUTES if attributes is None else attributes)
-    if not attributes or set(attributes) - set(ATTRIBUTES):
-        raise ValueError(f"attributes must be a non-empty subset of {list(ATTRIBUTES)}, got {list(attributes)}")
+    attributes = check_attributes(attributes)
     if not 0.0 <= mcq_share <= 1.0:
         raise ValueError(f"mcq_share must be in [0, 1], got {mcq_share}")
     if max_side < 28:

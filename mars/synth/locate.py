@@ -45,7 +45,7 @@ from mars.agent.protocol import format_tool_call
 from mars.agent.teacher import THINK
 from mars.world.emblems import random_emblem
 from mars.world.questions import (ATTRIBUTES, FACT_QUESTIONS, FACTS, FRAMED_SUBJECT, MULTIHOP_SUBJECT,
-                                  PERCEPTION_QUESTIONS, question_text)
+                                  PERCEPTION_QUESTIONS, check_attributes, question_text)
 from mars.world.scenes import SceneConfig, render_scene, scene_size
 
 __all__ = ["LOCATE_LONG_SIDE", "locate_dialogues", "located_cell", "zoom_cell", "zooms_on_scene"]
@@ -74,9 +74,7 @@ def locate_dialogues(
     """
     if n < 0:
         raise ValueError(f"the number of localisation drills must be >= 0, got {n}")
-    attributes = list(ATTRIBUTES if attributes is None else attributes)
-    if not attributes or set(attributes) - set(ATTRIBUTES):
-        raise ValueError(f"attributes must be a non-empty subset of {list(ATTRIBUTES)}, got {attributes}")
+    attributes = check_attributes(attributes)
     if not (0.0 <= mcq_share <= 1.0 and 0.0 <= perception_share <= 1.0):
         raise ValueError(f"mcq_share and perception_share must be in [0, 1], got {mcq_share}, {perception_share}")
     if n == 0:

@@ -63,8 +63,8 @@ from mars.data.schemas import QUESTIONS
 from mars.world.emblems import COLOUR_NAMES, GLYPHS, PATTERNS, SHAPES, render_gallery_image
 
 __all__ = ["QUESTION_TYPES", "FACTS", "ATTRIBUTES", "asked_attribute", "asked_attributes", "attribute_value",
-           "FACT_QUESTIONS", "PERCEPTION_QUESTIONS", "SEARCH_SUBJECT", "make_questions", "load_question_image",
-           "question_rows", "question_text"]
+           "check_attributes", "FACT_QUESTIONS", "PERCEPTION_QUESTIONS", "SEARCH_SUBJECT", "make_questions",
+           "load_question_image", "question_rows", "question_text"]
 
 QUESTION_TYPES: tuple[str, ...] = ("perception", "search", "multi-hop")
 # what a perception question can ask about the framed emblem, and each attribute's values (MCQ options)
@@ -147,6 +147,16 @@ def asked_attribute(question: str) -> str | None:
     return None
 
 
+def check_attributes(attributes: Sequence[str] | None) -> tuple[str, ...]:
+    """``attributes`` as a tuple, checked to be a non-empty subset of :data:`ATTRIBUTES` (all of them for None)."""
+    attributes = tuple(ATTRIBUTES if attributes is None else attributes)
+    unknown = sorted(set(attributes) - set(ATTRIBUTES))
+    if unknown or not attributes:
+        raise ValueError(f"perception attributes must be a non-empty subset of {list(ATTRIBUTES)}, got "
+                         f"{list(attributes)}" + (f" (unknown: {unknown})" if unknown else ""))
+    return attributes
+
+
 def asked_attributes(rows: Sequence[dict]) -> tuple[str, ...] | None:
     """The attributes the perception questions among ``rows`` (QUESTIONS rows) ask, in :data:`ATTRIBUTES` order;
     None when there are no perception questions."""
@@ -194,11 +204,7 @@ def question_rows(
     search_dir = Path(search_dir) if search_dir is not None else root / "questions"
     if n_per_type < 0:
         raise ValueError(f"n_per_type must be >= 0, got {n_per_type}")
-    attributes = tuple(ATTRIBUTES if attributes is None else attributes)
-    unknown = sorted(set(attributes) - set(ATTRIBUTES))
-    if unknown or not attributes:
-        raise ValueError(f"perception attributes must be a non-empty subset of {list(ATTRIBUTES)}, got "
-                         f"{list(attributes)}" + (f" (unknown: {unknown})" if unknown else ""))
+    attributes = check_attributes(attributes)
 
     entities = {r["entity_id"]: r for r in tables.entities.to_pylist()}
     real = sorted(e for e, r in entities.items() if not r["is_distractor"])

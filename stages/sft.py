@@ -34,7 +34,8 @@ What it does
        after it: ``locate_steps`` steps on them and a seeded ``locate_mix`` share of phase 1's examples (rates
        ``lr`` and ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision
        tower needs (README: localisation); without phase 1's examples the block erased the copying phase 1 taught
-       (README).
+       (README). Phase 1's and the block's dialogues are drawn in a second process while the teacher of step 1
+       plays (:func:`drill_dialogues`; ``drills_wait_s`` in the metrics: how long the drawing outlasted it).
     4. Training on the teacher trajectories (with ``trajectory_names: new`` or ``world`` their organisation and
        founder names replaced by stand-ins, a fresh set per trajectory, as in the drills:
        :func:`trajectory_dialogues`; measured in the README, off by default), with a seeded ``mix_pretrain`` share
@@ -82,7 +83,6 @@ from mars.world.questions import asked_attributes
 from mars.world.scenes import SceneConfig
 
 SECTION = "sft"
-VISION_TEST_IMAGES = 300  # held-out zoom crops phase 0's read-out is scored on (dvc metrics)
 TEACHER_CHUNK = 64  # teacher episodes played at once (bounds the memory of full-resolution scenes)
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class Params:
     vision_pretrain_images: int = 4000  # its labelled zoom crops (a new emblem each)
     vision_pretrain_lr: float = 5e-4
     vision_locate_steps: int = 0  # phase 0: the vision tower learns the framed cell of the localisation drills
+    vision_test_images: int = 300  # held-out crops / scenes phase 0's read-outs are scored on (dvc metrics)
     tokenizer: str = "local"  # local | qwen
     pretokenizer: str = "trailing"  # local tokenizer: trailing (a word keeps the space after it) | words (spaces
     #                                 are tokens of their own) | bytelevel (GPT-2 style); mars.model.tokenizer
@@ -168,6 +169,8 @@ class Params:
                      "vision_locate_steps": self.vision_locate_steps, **counts}.items():
             if v < 0:
                 raise ValueError(f"sft.{k} must be >= 0, got {v}")
+        if self.vision_test_images < 1:
+            raise ValueError(f"sft.vision_test_images must be >= 1, got {self.vision_test_images}")
         for k in ("vision_pretrain_steps", "vision_locate_steps"):
             if getattr(self, k) and self.freeze_vision:
                 raise ValueError(f"sft.{k} > 0 trains the vision tower, which sft.freeze_vision keeps frozen; set "
@@ -219,9 +222,9 @@ class Params:
                                     checkpoint_every=self.checkpoint_every, seed=self.seed)
 
     def pretrain_config(self):
-        """Phase 1's training config: ``pretrain_steps`` steps at ``pretrain_lr`` (``lr`` when 0); plain shuffled
-        batches (``group_batches`` is phase 2's)."""
-        return self.train_config(self.pretrain_steps, lr=self.pretrain_lr or self.lr, group_batches=1)
+        """Phase 1's training config: ``pretrain_steps`` steps at ``pretrain_lr`` (``lr`` when 0), length-grouped
+        batches as phase 2's (``group_batches``: the drills' random batches were 17% padding)."""
+        return self.train_config(self.pretrain_steps, lr=self.pretrain_lr or self.lr)
 
     def locate_config(self):
         """The localisation block's training config: ``locate_steps`` steps at ``lr`` and ``vision_lr``; plain
@@ -320,6 +323,15 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
     return captions + drills + vision_drills(params, scene, system, asked_attributes(all_questions))
 
 
+def drill_dialogues(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path, all_questions: list[dict],
+                    scene: SceneConfig | None, system: str, attributes: Sequence[str] | None
+                    ) -> tuple[list[list[dict]], list[list[dict]]]:
+    """(phase 1's dialogues, the localisation block's): :func:`pretrain_dialogues` and
+    :func:`locate_block_dialogues`; a module-level function, so the stage can draw them in a second process."""
+    return (pretrain_dialogues(params, agent, world_dir, index_dir, all_questions, scene, system),
+            locate_block_dialogues(params, scene, system, attributes))
+
+
 def locate_block_dialogues(params: Params, scene: SceneConfig | None = None, system: str | None = None,
                            attributes: Sequence[str] | None = None) -> list[list[dict]]:
     """The localisation block's data (``locate_steps`` > 0, else none): the vision drills
@@ -408,12 +420,28 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     questions = [q for q in all_questions if q["split"] == "sft"]
     if not questions:
         raise RuntimeError(f"{inputs['questions']}: no questions in the sft split; check the synthesize params")
-    trajs, stats = teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
-                                        inputs["index_dir"])
     system = (system_prompt if agent.prompt == "full" else compact_system_prompt)(TOOL_SCHEMAS)
-    pretrain = pretrain_dialogues(params, agent, inputs["world_dir"], inputs["index_dir"], all_questions, scene, system)
     attributes = asked_attributes(all_questions)  # the localisation drills ask what the questions ask
-    locate = locate_block_dialogues(params, scene, system, attributes)
+    drill_args = (params, agent, inputs["world_dir"], inputs["index_dir"], all_questions, scene, system, attributes)
+    pretrain, locate = [], []
+
+    def play() -> tuple[list, dict]:
+        return teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
+                                    inputs["index_dir"])
+
+    if not (params.pretrain_steps or params.locate_steps):
+        trajs, stats = play()
+    else:  # the drills are drawn in a second process while the teacher plays (both mostly single-threaded Python;
+        # the drills' image searches took 80 s of the default's sft stage): the same draws as in this process
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+            drawn = ex.submit(drill_dialogues, *drill_args)
+            trajs, stats = play()
+            t0 = time.perf_counter()
+            pretrain, locate = drawn.result()
+            stats["drills_wait_s"] = round(time.perf_counter() - t0, 1)  # how long the drawing outlasted the teacher
     model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
     dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
     examples = render_examples(dialogues, proc, params.max_len, desc="rendering trajectories")
@@ -480,12 +508,12 @@ def trajectory_dialogues(params: Params, trajs: list, world_dir: Path) -> list[l
 def vision_pretrain(params: Params, model, proc, scene: SceneConfig, ckpt_dir: Path, fp: str) -> dict:
     """Phase 0 (:mod:`mars.train.vision`): ``vision_pretrain_steps`` steps teaching the vision tower and projector
     to read ``vision_pretrain_images`` zoom crops drawn with the world's ``scene`` knobs; returns its metrics,
-    with the read-out's accuracy on ``VISION_TEST_IMAGES`` crops of another seed (chance: shape 12.5%, letter 4.2%,
+    with the read-out's accuracy on ``vision_test_images`` crops of another seed (chance: shape 12.5%, letter 4.2%,
     pattern 14.3%)."""
     from mars.train.vision import pretrain_vision, zoom_read_data
 
     data = zoom_read_data(scene, proc, params.vision_pretrain_images, params.seed)
-    test = zoom_read_data(scene, proc, VISION_TEST_IMAGES, params.seed + 99)
+    test = zoom_read_data(scene, proc, params.vision_test_images, params.seed + 99)
     visual = model.model.visual
     res = pretrain_vision(visual, data, params.vision_config(), dim=model.config.vision_config.out_hidden_size,
                           ckpt_dir=ckpt_dir, fp=fp, test=test)
@@ -500,15 +528,15 @@ def vision_locate(params: Params, model, proc, scene: SceneConfig, drills: list[
     """Phase 0, localisation (:func:`mars.train.vision.pretrain_vision` with :func:`mars.train.vision.cell_heads`):
     ``vision_locate_steps`` steps teaching the vision tower and projector the framed cell of the localisation
     drills' scenes among ``drills`` (the block's, or phase 1's when there is no block), rate ``vision_lr``; returns
-    its metrics, with the read-out's accuracy on ``VISION_TEST_IMAGES`` scenes of another seed (chance: one cell
+    its metrics, with the read-out's accuracy on ``vision_test_images`` scenes of another seed (chance: one cell
     of the grid; its questions ask about ``attributes``, as in :func:`vision_drills`)."""
     from mars.synth.locate import locate_dialogues
     from mars.train.vision import cell_data, cell_heads, pretrain_vision
 
     rows, cols = scene.grid_rows, scene.grid_cols
     data = cell_data(drills, proc, rows, cols)
-    test = cell_data(locate_dialogues(scene, n=VISION_TEST_IMAGES, seed=params.seed + 99, attributes=attributes),
-                     proc, rows, cols)
+    held_out = locate_dialogues(scene, n=params.vision_test_images, seed=params.seed + 99, attributes=attributes)
+    test = cell_data(held_out, proc, rows, cols)
     res = pretrain_vision(model.model.visual, data, params.vision_locate_config(),
                           dim=model.config.vision_config.out_hidden_size, ckpt_dir=ckpt_dir, fp=fp, test=test,
                           heads=cell_heads(rows, cols))

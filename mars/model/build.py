@@ -12,9 +12,13 @@ What it does
     on the localisation drills (README): both learn the framed cell alike (43-46 of 80 new scenes after 400 steps).
     :func:`build_model` initialises it deterministically from a seed (float32, CPU). :func:`save_checkpoint` writes
     model + tokenizer + processor atomically (staging directory + rename via :func:`mars.data.io.atomic_dir`);
-    :func:`load_checkpoint` reads them back from a local directory only. The same ``load_checkpoint`` loads a real
-    local Qwen2.5-VL or Qwen3-VL checkpoint directory (``config.json``, safetensors, ``tokenizer.json``,
-    ``preprocessor_config.json``): pass ``dtype=torch.bfloat16`` for a large one (not tested here).
+    :func:`load_checkpoint` reads them back from a local directory only. Both give the vision tower's patch embedding
+    :class:`PatchLinear` (:func:`fast_patch_embed`): its Conv3d has kernel = stride = the whole patch, so it is one
+    matrix product over flattened patches, with the same values and the same weights (state-dict keys unchanged),
+    and its backward costs a quarter of the CPU Conv3d's (bench/bench_sft.py; README). The same
+    ``load_checkpoint`` loads a real local Qwen2.5-VL or Qwen3-VL checkpoint directory (``config.json``,
+    safetensors, ``tokenizer.json``, ``preprocessor_config.json``): pass ``dtype=torch.bfloat16`` for a large one
+    (not tested here).
 
 Deviations
     Tiny random-init model on the embedded default; ``rope_theta`` defaults to 10,000 (Qwen2.5-VL uses 1e6, which
@@ -43,7 +47,8 @@ from transformers import (
 from mars.data.io import atomic_dir
 from mars.model.processor import PATCH_SIZE, MarsQwen2_5_VLProcessor, load_processor
 
-__all__ = ["ARCHES", "PATCH_SIZE", "build_model", "count_params", "load_checkpoint", "save_checkpoint", "tiny_config"]
+__all__ = ["ARCHES", "PATCH_SIZE", "PatchLinear", "build_model", "count_params", "fast_patch_embed", "load_checkpoint",
+           "save_checkpoint", "tiny_config"]
 
 # model_type -> the transformers class that builds and loads it
 _MODEL_CLASS = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen3_vl": Qwen3VLForConditionalGeneration}
@@ -159,13 +164,37 @@ def _model_class(model_type: str, where: str):
     return _MODEL_CLASS[model_type]
 
 
+class PatchLinear(torch.nn.Conv3d):
+    """The vision patch embedding's Conv3d computed as a matrix product: every input row is one whole patch
+    (kernel = stride = the input's last three dims), so ``conv(x)`` equals ``x.flatten(1) @ W.flatten(1).T + b``.
+    Same parameters and state-dict keys as the Conv3d; other input shapes fall back to the convolution. A module of
+    its own (not a patched forward), so DeepSpeed ZeRO-3's per-module parameter gathering still sees its weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, C, T, P, P]
+        if tuple(x.shape[2:]) != tuple(self.kernel_size) or self.stride != self.kernel_size:
+            return super().forward(x)
+        w = self.weight  # [E, C, T, P, P]
+        y = torch.nn.functional.linear(x.reshape(x.shape[0], -1), w.reshape(w.shape[0], -1), self.bias)  # [N, E]
+        return y.view(x.shape[0], w.shape[0], 1, 1, 1)
+
+
+def fast_patch_embed(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn every Conv3d patch embedding of ``model`` whose kernel equals its stride into :class:`PatchLinear`
+    (in place, parameters kept); returns ``model``."""
+    for mod in model.modules():
+        if type(mod) is torch.nn.Conv3d and mod.kernel_size == mod.stride and mod.padding == (0, 0, 0) \
+                and mod.dilation == (1, 1, 1) and mod.groups == 1:
+            mod.__class__ = PatchLinear
+    return model
+
+
 def build_model(config: PretrainedConfig, seed: int = 0):
     """A randomly initialised model, float32 on CPU, identical for the same ``config`` and ``seed``."""
     cls = _model_class(config.model_type, "build_model")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
-    model = model.to(torch.float32)
+    model = fast_patch_embed(model.to(torch.float32))
     gc = model.generation_config
     gc.eos_token_id = config.eos_token_id if config.eos_token_id is not None else config.text_config.eos_token_id
     gc.pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.text_config.pad_token_id
@@ -208,7 +237,7 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
     model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
     cls = _model_class(model_type, str(path / "config.json"))
     processor = load_processor(path)
-    model = cls.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    model = fast_patch_embed(cls.from_pretrained(str(path), local_files_only=True, dtype=dtype))
     model.to(device)
     model.eval()
     return model, processor.tokenizer, processor

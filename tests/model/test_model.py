@@ -8,7 +8,15 @@ import pytest
 import torch
 from PIL import Image
 
-from mars.model.build import build_model, count_params, load_checkpoint, save_checkpoint, tiny_config
+from mars.model.build import (
+    PatchLinear,
+    build_model,
+    count_params,
+    fast_patch_embed,
+    load_checkpoint,
+    save_checkpoint,
+    tiny_config,
+)
 from mars.model.processor import build_processor
 from mars.model.tokenizer import PROTOCOL_TOKENS, SPECIAL_TOKENS, train_tokenizer
 
@@ -128,10 +136,42 @@ def test_tiny_model_size_and_forward():
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
 
 
+@pytest.mark.parametrize("bias", [False, True])  # Qwen2.5-VL's patch embedding has no bias, Qwen3-VL's has one
+def test_patch_linear_equals_the_conv3d_in_values_and_gradients(bias):
+    """PatchLinear (the patch embedding as one matrix product) against the stock Conv3d with the same weights: the
+    same outputs and the same weight and input gradients (to float rounding); the state dict is untouched."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(3, 8, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=bias)
+    fast = fast_patch_embed(torch.nn.Sequential(torch.nn.Conv3d(3, 8, (2, 14, 14), stride=(2, 14, 14), bias=bias)))[0]
+    assert type(fast) is PatchLinear
+    fast.load_state_dict(conv.state_dict())
+    assert list(fast.state_dict()) == list(conv.state_dict())
+    x1 = torch.randn(37, 3, 2, 14, 14, requires_grad=True)  # 37 patches, as Qwen's patch embedding views them
+    x2 = x1.detach().clone().requires_grad_(True)
+    y1, y2 = conv(x1), fast(x2)
+    assert y2.shape == y1.shape == (37, 8, 1, 1, 1)
+    assert torch.allclose(y1, y2, atol=1e-5)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    assert torch.allclose(conv.weight.grad, fast.weight.grad, atol=1e-4)
+    assert torch.allclose(x1.grad, x2.grad, atol=1e-5)
+    if bias:
+        assert torch.allclose(conv.bias.grad, fast.bias.grad, atol=1e-4)
+    # an input that is not one patch a row falls back to the convolution
+    big = torch.randn(2, 3, 2, 28, 28)
+    assert torch.allclose(fast(big), conv(big), atol=1e-5)
+    # the tiny models and reloaded checkpoints carry it; a conv whose stride differs from its kernel is left alone
+    assert type(build_model(tiny_config(64), seed=0).model.visual.patch_embed.proj) is PatchLinear
+    other = torch.nn.Conv3d(3, 8, (2, 3, 3), stride=1)
+    assert type(fast_patch_embed(torch.nn.Sequential(other))[0]) is torch.nn.Conv3d
+
+
 def test_save_load_roundtrip(tmp_path):
     tok, proc, model = tiny_stack()
     path = save_checkpoint(model, tok, proc, tmp_path / "ckpt")
     m2, tok2, proc2 = load_checkpoint(path)
+    assert type(m2.model.visual.patch_embed.proj) is PatchLinear
     assert tok2.get_vocab() == tok.get_vocab()
     assert (proc2.min_pixels, proc2.max_pixels) == (PIX, PIX)
     text = ["look <|vision_start|><|image_pad|><|vision_end|> here"]
@@ -181,8 +221,8 @@ def test_qwen3_vl_tiny_model_builds_saves_and_reloads(tmp_path):
     with torch.no_grad():
         assert torch.equal(logits, m2(**b).logits)
     plain = Qwen3VLForConditionalGeneration.from_pretrained(str(path), local_files_only=True)  # plain transformers
-    with torch.no_grad():
-        assert torch.equal(logits, plain(**b).logits)
+    with torch.no_grad():  # its patch embedding is the stock Conv3d (ours: PatchLinear), equal to float rounding
+        assert torch.allclose(logits, plain(**b).logits, atol=1e-4)
     from mars.agent.config import AgentParams
 
     AgentParams(factor=32).check_processor(proc2, "q3")

@@ -324,6 +324,8 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
         load_params("sft", sft.Params, write_params(tmp_path, "dc", profile={"sft": {"drill_chains": 1.5}}))
     with pytest.raises(ValueError, match="checkpoint_every and group_batches must be >= 1"):
         load_params("sft", sft.Params, write_params(tmp_path, "gb", profile={"sft": {"group_batches": 0}}))
+    with pytest.raises(ValueError, match="sft.vision_test_images must be >= 1, got 0"):
+        load_params("sft", sft.Params, write_params(tmp_path, "vt", profile={"sft": {"vision_test_images": 0}}))
 
 
 def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):
@@ -370,7 +372,7 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
              "pretrain_drills": 16, "pretrain_locate": 8, "locate_steps": 4, "pretrain_zoom_captions": 4,
              "mix_pretrain": 0.25, "locate_mix": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16,
-             "vision_locate_steps": 4, "group_batches": 2, "drill_chains": 0.5}
+             "vision_locate_steps": 4, "group_batches": 2, "drill_chains": 0.5, "vision_test_images": 24}
     params = write_params(tmp_path, "short", profile={"sft": short})
     fp = load_params("sft", sft.Params, params)
     scene = world.world_spec(load_params("world", world.Params, params)).scene_config()  # as the CLI reads it

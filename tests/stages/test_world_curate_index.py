@@ -204,8 +204,14 @@ def test_folder_source_runs_curation_on_real_photos(tmp_path):
 
 
 def test_dvc_repro_smoke_then_noop(clean_copy):
-    params = (clean_copy / "params.yaml").read_text()
-    (clean_copy / "params.yaml").write_text(re.sub(r"profile: default", "profile: smoke", params, count=1))
+    params = yaml.safe_load((clean_copy / "params.yaml").read_text())
+    params["base"]["profile"] = "smoke"
+    # this test is about the DVC wiring, not what SFT learns (the smoke sft fixture of
+    # tests/stages/test_synthesize_sft_evaluate.py checks that): shorter sft and rl runs than the smoke profile's
+    params["profiles"]["smoke"]["sft"] |= {"pretrain_steps": 10, "pretrain_drills": 40, "max_steps": 20,
+                                           "checkpoint_every": 10}
+    params["profiles"]["smoke"]["rl"] |= {"steps": 2, "checkpoint_every": 1}
+    (clean_copy / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     out = dvc(["repro"], clean_copy).stdout  # the whole pipeline, world to evaluate, on the smoke profile
     stages = set(yaml.safe_load((clean_copy / "dvc.yaml").read_text())["stages"])
     assert stages == {"world", "curate", "index", "synthesize", "sft", "rl", "evaluate"}

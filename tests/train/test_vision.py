@@ -196,7 +196,9 @@ def test_stage_params_for_phase_0_localisation():
     Params(vision_locate_steps=10, pretrain_locate=64, pretrain_steps=10)  # phase 1's drills are enough
 
 
-def test_group_batches_is_phase_twos_only():
+def test_group_batches_is_phase_one_and_twos_the_block_stays_shuffled():
+    """Length-grouped batches in phase 1 (text drills; 17% padding in random batches) and phase 2; the block keeps
+    plain shuffled batches (grouping would split its localisation drills from the shorter phase-1 drills)."""
     p = Params(group_batches=8, pretrain_steps=10, pretrain_drills=4, pretrain_locate=4, locate_steps=5)
-    assert p.train_config().group_batches == 8
-    assert p.pretrain_config().group_batches == p.locate_config().group_batches == 1
+    assert p.train_config().group_batches == p.pretrain_config().group_batches == 8
+    assert p.locate_config().group_batches == 1

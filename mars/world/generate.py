@@ -5,7 +5,7 @@ The world is an offline stand-in for the web, Wikipedia and 4K news photos (DESI
 - entities with a procedural emblem and facts (kind, founding year, city, founder), plus
   distractor entities with similar names that exist only in the corpus;
 - a text corpus: several short documents per entity stating its facts (``corpus_style``: varied
-  wording, or each fact after one fixed cue; :mod:`mars.world.text`);
+  wording, each fact after one fixed cue, or one fact per document; :mod:`mars.world.text`);
 - a gallery: several renderings of each real entity's emblem, split "index" / "heldout";
 - a raw image pool: high-resolution scenes (see :mod:`mars.world.scenes`) and, when
   ``planted``, the curation traps of :mod:`mars.world.planted`;
@@ -44,6 +44,7 @@ from mars.world.emblems import colour_schemes, emblem_json, random_emblem, rende
 from mars.world.scenes import SceneConfig, SceneInfo, long_side_range, render_clutter, render_scene, size_multiple
 from mars.world.text import (
     CORPUS_STYLES,
+    SINGLE_FACTS,
     Facts,
     KINDS,
     different_facts,
@@ -96,7 +97,7 @@ class WorldSpec:
     planted: bool = True
     jpeg_quality: int = 90
     colour_schemes: int = 6  # shared colour schemes (0 = every emblem draws its own colours)
-    corpus_style: str = "varied"  # the documents' wording: varied | plain (mars.world.text.CORPUS_STYLES)
+    corpus_style: str = "varied"  # the documents' wording: varied | plain | single (mars.world.text.CORPUS_STYLES)
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -142,6 +143,9 @@ class WorldSpec:
         need(30 <= self.jpeg_quality <= 100, f"jpeg_quality must be in 30..100, got {self.jpeg_quality}")
         need(self.corpus_style in CORPUS_STYLES,
              f"corpus_style must be one of {sorted(CORPUS_STYLES)}, got {self.corpus_style!r}")
+        need(self.corpus_style != "single" or self.docs_per_entity >= SINGLE_FACTS,
+             f"corpus_style single states one fact per document: docs_per_entity must be >= {SINGLE_FACTS} for "
+             f"every fact to be stated, got {self.docs_per_entity}")
 
     @property
     def difficulty(self) -> int:

@@ -11,10 +11,12 @@ same seed always yields the same names and the same documents:
   (eight sentence templates that word each fact differently: "established in X", "based in X",
   "Located in X") or ``plain`` (four templates in which each fact always follows the same cue,
   a word of the question or of the teacher's query: "founded in 1846", "in the city of
-  Thimhaven", "its founder was Arir Ionubruth"; only the order of the facts varies).
+  Thimhaven", "its founder was Arir Ionubruth"; only the order of the facts varies) or ``single``
+  (one fact per document, after the plain style's cue, and fillers that name no other fact: what a
+  web search's query-biased snippet shows for "<name> founder").
 
-Deviation: real web and Wikipedia text words its facts every which way; the ``plain`` style is a
-curriculum step for a 1M-parameter reader (README, Results), ``varied`` the harder world.
+Deviation: real web and Wikipedia text words its facts every which way; the ``plain`` and ``single``
+styles are curriculum steps for a 1M-parameter reader (README, Results), ``varied`` the harder world.
 
 Try it: ``python -m mars.world.text`` prints a few names and one document.
 """
@@ -174,7 +176,17 @@ PLAIN_TEMPLATES: tuple[str, ...] = (
     "{name} is {a_kind}; its founder was {founder}. It was founded in {year} in the city of {city}.",
     "The {kind} {name} is in the city of {city}. It was founded in {year}; its founder was {founder}.",
 )
-CORPUS_STYLES: dict[str, tuple[str, ...]] = {"varied": TEMPLATES, "plain": PLAIN_TEMPLATES}
+# The single style: one fact per document, after the plain style's cue (a web search's query-biased snippet: the
+# query "<name> founder" finds the document that states the founder, and that document states nothing else).
+# Document j states fact j modulo 3, so docs_per_entity >= 3 states every fact (WorldSpec checks it).
+SINGLE_TEMPLATES: tuple[str, ...] = (
+    "{name} was founded in {year}.",
+    "{name} is {a_kind} in the city of {city}.",
+    "{name} is {a_kind}; its founder was {founder}.",
+)
+SINGLE_FACTS = len(SINGLE_TEMPLATES)
+CORPUS_STYLES: dict[str, tuple[str, ...]] = {"varied": TEMPLATES, "plain": PLAIN_TEMPLATES,
+                                             "single": SINGLE_TEMPLATES}
 FILLERS: tuple[str, ...] = (
     "It is known locally for its annual open day.",
     "Records of its early years are incomplete.",
@@ -194,7 +206,8 @@ def document_title(name: str, j: int) -> str:
 
 
 def document_text(rng: np.random.Generator, name: str, facts: Facts, j: int, style: str = "varied") -> str:
-    """One short document stating all of ``facts`` with template ``j``-dependent wording of ``style``."""
+    """One short document stating all of ``facts`` with template ``j``-dependent wording of ``style`` (``single``:
+    the one fact ``j`` modulo 3)."""
     templates = _templates(style)
     values = {
         "name": name,
@@ -205,10 +218,15 @@ def document_text(rng: np.random.Generator, name: str, facts: Facts, j: int, sty
         "founder": facts.founder,
     }
     start = int(rng.integers(len(templates)))
-    sentences = [templates[(start + j) % len(templates)].format(**values)]
+    if style == "single":  # document j states fact j (mod 3) and nothing else: fillers that name none
+        sentences = [templates[j % len(templates)].format(**values)]
+        fillers = [f for f in FILLERS if "{city}" not in f and "{founder}" not in f]
+    else:
+        sentences = [templates[(start + j) % len(templates)].format(**values)]
+        fillers = list(FILLERS)
     n_fill = int(rng.integers(0, 3))
-    for k in rng.permutation(len(FILLERS))[:n_fill]:
-        sentences.append(FILLERS[int(k)].format(**values))
+    for k in rng.permutation(len(fillers))[:n_fill]:
+        sentences.append(fillers[int(k)].format(**values))
     text = " ".join(sentences)
     return text[0].upper() + text[1:]
 
@@ -222,7 +240,8 @@ def _templates(style: str) -> tuple[str, ...]:
 def entity_documents(
     rng: np.random.Generator, name: str, facts: Facts, n_docs: int, style: str = "varied"
 ) -> list[tuple[str, str]]:
-    """``n_docs`` (title, text) documents about one entity, each stating all its facts in ``style``."""
+    """``n_docs`` (title, text) documents about one entity, each stating all its facts in ``style`` (``single``: one
+    fact each, in turn)."""
     _templates(style)
     return [(document_title(name, j), document_text(rng, name, facts, j, style)) for j in range(n_docs)]
 

@@ -30,27 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mars.agent.hf_backend import HFBackend  # noqa: E402
-from mars.agent.protocol import compact_system_prompt, parse_turn  # noqa: E402
+from mars.agent.protocol import compact_system_prompt  # noqa: E402
 from mars.model.build import load_checkpoint  # noqa: E402
 from mars.stage import load_section  # noqa: E402
-from mars.synth.locate import locate_dialogues, zoom_cell  # noqa: E402
+from mars.synth.locate import framed_count, held_out_drills  # noqa: E402
 from mars.tools.base import TOOL_SCHEMAS  # noqa: E402
 from stages.world import Params as WorldParams  # noqa: E402
 from stages.world import world_spec  # noqa: E402
-
-
-def held_out(scene, n: int, seed: int) -> tuple[list[list[dict]], list[tuple[int, int] | None]]:
-    """``n`` localisation drills on new scenes (the episodes' system prompt) and the teacher's cell of each."""
-    drills = locate_dialogues(scene, n=n, seed=seed, system=compact_system_prompt(TOOL_SCHEMAS))
-    return drills, [zoom_cell(parse_turn(d[-1]["content"]), scene.grid_rows, scene.grid_cols) for d in drills]
-
-
-def framed(model, proc, scene, drills: list[list[dict]], truth: list) -> int:
-    """How many of ``drills`` the model's greedy first turn zooms into the teacher's cell of."""
-    outs = HFBackend(model, proc).generate([d[:-1] for d in drills], max_new_tokens=96)
-    return sum(t is not None and zoom_cell(parse_turn(o.text), scene.grid_rows, scene.grid_cols) == t
-               for o, t in zip(outs, truth))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(path).exists():
             ap.error(f"{path}: not found (run `dvc repro` up to the sft stage, or pass an existing path)")
     scene = world_spec(load_section("world", WorldParams, ["--params", ns.params])).scene_config()
-    drills, truth = held_out(scene, ns.n, ns.seed)
+    drills, truth = held_out_drills(scene, ns.n, ns.seed, compact_system_prompt(TOOL_SCHEMAS))
     model, _, proc = load_checkpoint(ns.model)
     rows = [("chance (one cell)", ns.n / (scene.grid_rows * scene.grid_cols), 0.0),
             ("teacher", float(sum(t is not None for t in truth)), 0.0)]
@@ -74,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if state is not None:
             model.load_state_dict(torch.load(state, map_location="cpu", weights_only=False)["model"])
         t0 = time.perf_counter()
-        rows.append((label, float(framed(model, proc, scene, drills, truth)), time.perf_counter() - t0))
+        rows.append((label, float(framed_count(model, proc, scene, drills, truth)), time.perf_counter() - t0))
     print(f"held-out localisation drills: {ns.n} new scenes (seed {ns.seed}), grid {scene.grid_rows}x{scene.grid_cols}")
     print(f"{'checkpoint':60s} {'framed':>7s} {'share':>6s} {'x chance':>8s} {'s':>5s}")
     for label, hits, secs in rows:

@@ -34,8 +34,12 @@ What it does
        after it: ``locate_steps`` steps on them and a seeded ``locate_mix`` share of phase 1's examples (rates
        ``lr`` and ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision
        tower needs (README: localisation); without phase 1's examples the block erased the copying phase 1 taught
-       (README). Phase 1's and the block's dialogues are drawn in a second process while the teacher of step 1
-       plays (:func:`drill_dialogues`; ``drills_wait_s`` in the metrics: how long the drawing outlasted it).
+       (README). With ``locate_target`` > 0 the block stops early once the model's greedy first zoom frames that
+       share of ``locate_check_scenes`` held-out scenes (asked at every checkpoint: :func:`locate_check`), so
+       ``locate_steps`` is a ceiling: a fixed 200-step block framed 80 of 80 test scenes in one run and 19 in
+       another (README, session 17). Phase 1's and the block's dialogues are drawn in a second process while the
+       teacher of step 1 plays (:func:`drill_dialogues`; ``drills_wait_s`` in the metrics: how long the drawing
+       outlasted it).
     4. Training on the teacher trajectories (with ``trajectory_names: new`` or ``world`` their organisation and
        founder names replaced by stand-ins, a fresh set per trajectory, as in the drills:
        :func:`trajectory_dialogues`; measured in the README, off by default), with a seeded ``mix_pretrain`` share
@@ -104,6 +108,8 @@ class Params:
     pretrain_locate: int = 0  # localisation drills: zoom on the red frame of a freshly drawn scene (mars.synth.locate)
     pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
     locate_steps: int = 0  # > 0: the pretrain_locate drills get a block of their own, these steps after phase 1
+    locate_target: float = 0.0  # > 0: the block stops once its first zoom frames this share of held-out scenes
+    locate_check_scenes: int = 40  # the held-out scenes of that check (asked at every checkpoint)
     mix_pretrain: float = 0.0  # share of phase 2's examples drawn from phase 1's data (so its skills are kept)
     locate_mix: float = 0.0  # share of the localisation block's examples drawn from phase 1's data (likewise)
     vision_pretrain_steps: int = 0  # phase 0: the vision tower learns to read zoomed emblems (mars.train.vision)
@@ -128,6 +134,7 @@ class Params:
     batch_size: int = 16
     grad_accum: int = 1
     group_batches: int = 1  # phase 2's length-grouped batches: runs of this many batches sorted by length (1 = off)
+    pretrain_group_batches: int = 1  # phase 1's (1 = plain shuffled batches)
     max_steps: int = 350
     lr: float = 2e-3
     pretrain_lr: float = 0.0  # phase 1's language-model rate (0 = lr; the vision rate stays vision_lr)
@@ -196,6 +203,11 @@ class Params:
                 raise ValueError(f"sft.{k} must be in [0, 1), got {getattr(self, k)}")
         if self.pretrain_lr < 0:
             raise ValueError(f"sft.pretrain_lr must be >= 0 (0 = sft.lr), got {self.pretrain_lr}")
+        if not 0.0 <= self.locate_target <= 1.0:
+            raise ValueError(f"sft.locate_target must be in [0, 1] (0 = run all sft.locate_steps), got "
+                             f"{self.locate_target}")
+        if self.locate_check_scenes < 1:
+            raise ValueError(f"sft.locate_check_scenes must be >= 1, got {self.locate_check_scenes}")
         if self.locate_steps and not self.pretrain_locate:
             raise ValueError("sft.locate_steps > 0 trains on the localisation drills: set sft.pretrain_locate > 0")
         if self.locate_steps:  # the vision drills are then the block's, not phase 1's
@@ -203,6 +215,8 @@ class Params:
             counts.pop("pretrain_zoom_captions")
         if self.pretrain_steps and not any(counts.values()):
             raise ValueError(f"sft.pretrain_steps > 0 needs one of {', '.join(counts)} > 0")
+        if self.pretrain_group_batches < 1:
+            raise ValueError(f"sft.pretrain_group_batches must be >= 1, got {self.pretrain_group_batches}")
         self.train_config()  # validates the training knobs
 
     def vision_config(self):
@@ -222,9 +236,11 @@ class Params:
                                     checkpoint_every=self.checkpoint_every, seed=self.seed)
 
     def pretrain_config(self):
-        """Phase 1's training config: ``pretrain_steps`` steps at ``pretrain_lr`` (``lr`` when 0), length-grouped
-        batches as phase 2's (``group_batches``: the drills' random batches were 17% padding)."""
-        return self.train_config(self.pretrain_steps, lr=self.pretrain_lr or self.lr)
+        """Phase 1's training config: ``pretrain_steps`` steps at ``pretrain_lr`` (``lr`` when 0), in
+        ``pretrain_group_batches`` length-grouped batches (1 = shuffled: grouped, the drills' batches pad less but
+        come in runs of one drill kind, and the SFT model copied the top title less: README, run Q)."""
+        return self.train_config(self.pretrain_steps, lr=self.pretrain_lr or self.lr,
+                                 group_batches=self.pretrain_group_batches)
 
     def locate_config(self):
         """The localisation block's training config: ``locate_steps`` steps at ``lr`` and ``vision_lr``; plain
@@ -433,14 +449,14 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         trajs, stats = play()
     else:  # the drills are drawn in a second process while the teacher plays (both mostly single-threaded Python;
         # the drills' image searches took 80 s of the default's sft stage): the same draws as in this process
+        # a Pool, not a ProcessPoolExecutor: leaving it terminates the drawing, so a teacher error shows at once
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
-            drawn = ex.submit(drill_dialogues, *drill_args)
+        with mp.get_context("spawn").Pool(1) as drawer:
+            drawn = drawer.apply_async(drill_dialogues, drill_args)
             trajs, stats = play()
             t0 = time.perf_counter()
-            pretrain, locate = drawn.result()
+            pretrain, locate = drawn.get()
             stats["drills_wait_s"] = round(time.perf_counter() - t0, 1)  # how long the drawing outlasted the teacher
     model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
     dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
@@ -471,11 +487,15 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
             _check_masks(block, tok)
             # the block keeps seeing phase 1's data: alone, its 600 steps erased the copying (README, Results)
             kept = _mix(pool, len(block), params.locate_mix, params.seed) if name == "locate" else []
+            check = locate_check(params, proc, scene, system, attributes) if name == "locate" else None
             res = train_sft(model, block + kept, config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"] / name, live_dir=None,
-                            fp=fingerprint(fp, name, len(block), len(kept)))
+                            fp=fingerprint(fp, name, len(block), len(kept)), until=check)
             pre_stats |= {f"{name}_examples": len(block), f"{name}_loss_first": res["loss_first"],
-                          f"{name}_loss_final": res["loss_final"], f"{name}_tokens_per_s": res["tokens_per_s"]}
+                          f"{name}_loss_final": res["loss_final"], f"{name}_tokens_per_s": res["tokens_per_s"],
+                          f"{name}_steps_run": res["steps"]}
+            if check is not None and check.history:  # the last check's held-out share (at the stop, if any)
+                pre_stats[f"{name}_check_framed"] = check.history[-1][1]
             if kept:
                 pre_stats[f"{name}_mixed_examples"] = len(kept)
             pool += block
@@ -491,6 +511,17 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     log.info("sft: %s", metrics)
     write_metrics(outputs["metrics"], metrics)
     return metrics
+
+
+def locate_check(params: Params, proc, scene: SceneConfig, system: str, attributes: Sequence[str] | None):
+    """The localisation block's stopping check (:class:`mars.synth.locate.LocateCheck`; None when
+    ``locate_target`` is 0): ``locate_check_scenes`` held-out scenes, drawn with another seed than the drills."""
+    from mars.synth.locate import LocateCheck
+
+    if not params.locate_target:
+        return None
+    return LocateCheck(proc, scene, n=params.locate_check_scenes, target=params.locate_target,
+                       seed=params.seed + 99, system=system, attributes=attributes)
 
 
 def trajectory_dialogues(params: Params, trajs: list, world_dir: Path) -> list[list[dict]]:

@@ -48,7 +48,8 @@ from mars.world.questions import (ATTRIBUTES, FACT_QUESTIONS, FACTS, FRAMED_SUBJ
                                   PERCEPTION_QUESTIONS, check_attributes, question_text)
 from mars.world.scenes import SceneConfig, render_scene, scene_size
 
-__all__ = ["LOCATE_LONG_SIDE", "locate_dialogues", "located_cell", "zoom_cell", "zooms_on_scene"]
+__all__ = ["LOCATE_LONG_SIDE", "LocateCheck", "framed_count", "held_out_drills", "locate_dialogues", "located_cell",
+           "zoom_cell", "zooms_on_scene"]
 
 LOCATE_LONG_SIDE = (448, 672)  # scenes are drawn at about twice the policy's 224-px view (a 4K scene costs 50x)
 _EMBLEM_POOL = 64  # random emblems the drawn scenes pick from (clutter for the cue; their identity is never asked)
@@ -137,3 +138,47 @@ def zoom_cell(turn, grid_rows: int, grid_cols: int) -> tuple[int, int] | None:
         return located_cell([float(v) for v in turn.arguments.get("bbox_2d")], grid_rows, grid_cols)
     except (TypeError, ValueError, IndexError):
         return None
+
+
+def held_out_drills(scene: SceneConfig, n: int, seed: int, system: str | None = None,
+                    attributes: Sequence[str] | None = None
+                    ) -> tuple[list[list[dict]], list[tuple[int, int] | None]]:
+    """``n`` localisation drills on new scenes (draw them with another ``seed`` than training's) without their
+    answer turn, and the teacher's cell of each: the prompts a localisation check asks a model."""
+    from mars.agent.protocol import parse_turn
+
+    drills = locate_dialogues(scene, n=n, seed=seed, system=system, attributes=attributes)
+    return ([d[:-1] for d in drills],
+            [zoom_cell(parse_turn(d[-1]["content"]), scene.grid_rows, scene.grid_cols) for d in drills])
+
+
+def framed_count(model, processor, scene: SceneConfig, prompts: list[list[dict]],
+                 truth: list[tuple[int, int] | None], max_new_tokens: int = 96) -> int:
+    """How many of ``prompts`` (:func:`held_out_drills`) a Qwen-VL ``model``'s greedy first turn zooms into the
+    teacher's cell of (a malformed or other turn is a miss)."""
+    from mars.agent.hf_backend import HFBackend
+    from mars.agent.protocol import parse_turn
+
+    outs = HFBackend(model, processor).generate(prompts, max_new_tokens=max_new_tokens)
+    return sum(t is not None and zoom_cell(parse_turn(o.text), scene.grid_rows, scene.grid_cols) == t
+               for o, t in zip(outs, truth))
+
+
+class LocateCheck:
+    """A stopping check for training on localisation drills (:func:`mars.train.sft.train_sft`'s ``until``): True
+    once the model's greedy first zoom frames at least ``target`` (a share) of ``n`` held-out scenes. ``history``
+    keeps (step, framed share) of every check."""
+
+    def __init__(self, processor, scene: SceneConfig, *, n: int, target: float, seed: int,
+                 system: str | None = None, attributes: Sequence[str] | None = None) -> None:
+        if n < 1 or not 0.0 < target <= 1.0:
+            raise ValueError(f"a localisation check needs n >= 1 and 0 < target <= 1, got {n}, {target}")
+        self.processor, self.scene, self.target = processor, scene, target
+        self.prompts, self.truth = held_out_drills(scene, n, seed, system, attributes)
+        self.history: list[tuple[int, float]] = []
+
+    def __call__(self, model, step: int) -> bool:
+        share = framed_count(model, self.processor, self.scene, self.prompts, self.truth) / len(self.prompts)
+        self.history.append((step, round(share, 4)))
+        return share >= self.target
+

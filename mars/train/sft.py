@@ -9,9 +9,10 @@ What it does
     ``optim.deepspeed_stage`` asks for it); bf16 autocast when ``precision="bf16"`` and the device supports it.
     Every ``checkpoint_every`` steps it saves model, optimizer, scheduler, RNG states, step and sampler position
     (:mod:`mars.train.checkpoint`); a rerun with the same fingerprint resumes from the newest checkpoint and
-    reproduces the uninterrupted loss curve exactly on CPU. Curves go to dvclive (``dvc plots show``); a tqdm bar
-    shows progress. Returns a summary: steps, final and first losses, tokens/s, the share of step time spent
-    collating batches, and peak memory.
+    reproduces the uninterrupted loss curve exactly on CPU. An optional stopping check (``until``) is asked after
+    each checkpoint: the localisation block stops once its first zoom frames held-out scenes. Curves go to dvclive
+    (``dvc plots show``); a tqdm bar shows progress. Returns a summary: steps, final and first losses, tokens/s,
+    the share of step time spent collating batches, and peak memory.
 
 Deviation
     The paper fine-tunes Qwen2.5-VL-7B with the vision tower frozen; on the embedded default the random-init
@@ -61,6 +62,17 @@ class SFTConfig:
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
 
 
+def _stop(until: Callable[[torch.nn.Module, int], bool] | None, model: torch.nn.Module, step: int) -> bool:
+    """``until(model, step)`` with the model in eval mode (False without a check); leaves it in train mode."""
+    if until is None:
+        return False
+    model.eval()
+    with torch.no_grad():
+        stop = bool(until(model, step))
+    model.train()
+    return stop
+
+
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over positions with a label (logits [..., V], labels [...] with -100 = none)."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
@@ -88,8 +100,14 @@ def train_sft(
     live_dir: str | Path | None,
     fp: str,
     on_step: Callable[[int, dict], None] | None = None,
+    until: Callable[[torch.nn.Module, int], bool] | None = None,
 ) -> dict:
-    """Train ``model`` in place (see the module docstring); returns the run summary."""
+    """Train ``model`` in place (see the module docstring); returns the run summary.
+
+    ``until(model, step)``: a stopping check (e.g. :class:`mars.synth.locate.LocateCheck`), asked with the model in
+    eval mode after each checkpoint before the last step and when resuming from one; training ends when it returns
+    True (``stopped_early`` in the summary). A deterministic check keeps a resumed run equal to an uninterrupted one.
+    """
     torch.manual_seed(cfg.seed)
     stepper = make_stepper(model, cfg.optim)
     sampler = EpochSampler(len(examples), cfg.batch_size * cfg.grad_accum, cfg.seed,
@@ -106,11 +124,14 @@ def train_sft(
         start = int(state["step"])
         log.info("resuming SFT from step %d (%s)", start, ckpt_dir)
     live = open_live(live_dir, start)
-    model.train()
     steps = cfg.optim.max_steps
+    stopped = 0 < start < steps and _stop(until, model, start)  # the check a killed run may not have finished
+    model.train()
     t_data = t_total = 0.0
     n_tok_total = 0
-    bar = tqdm(range(start, steps), desc="sft", unit="step", initial=start, total=steps, leave=False)
+    bar = tqdm(range(start, start if stopped else steps), desc="sft", unit="step", initial=start, total=steps,
+               leave=False)
+    done = start
     for step in bar:
         t0 = time.perf_counter()
         idx = sampler.next()
@@ -147,6 +168,9 @@ def train_sft(
                 "fingerprint": fp, "step": done, "model": model.state_dict(), "stepper": stepper.state_dict(),
                 "sampler": sampler.state(), "rng": rng_state(), "history": history, "config": asdict(cfg),
             }, keep=cfg.keep_checkpoints)
+            if done < steps and _stop(until, model, done):
+                stopped = True
+                break
     bar.close()
     if live is not None:
         live.end()
@@ -154,7 +178,8 @@ def train_sft(
     losses = [l for _, l in history]
     k = max(1, min(10, len(losses) // 5))
     return {
-        "steps": steps,
+        "steps": done,
+        "stopped_early": stopped,
         "resumed_from": start,
         "loss_first": round(sum(losses[:k]) / k, 5) if losses else None,
         "loss_final": round(sum(losses[-k:]) / k, 5) if losses else None,

@@ -328,6 +328,26 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
         load_params("sft", sft.Params, write_params(tmp_path, "vt", profile={"sft": {"vision_test_images": 0}}))
 
 
+def test_sft_teacher_error_ends_the_drill_drawing_and_writes_nothing(built, tmp_path):
+    """The drills are drawn in a second process while the teacher plays; a teacher that fails (here an endpoint with
+    nothing listening: every episode a backend error) raises its error and leaves no drawing process behind."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:  # a free port, closed again: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    params = load_params("sft", sft.Params, write_params(tmp_path, "dead", profile={"sft": {
+        "teacher": "openai", "teacher_base_url": f"http://127.0.0.1:{port}/v1", "teacher_model": "none",
+        "pretrain_steps": 2, "pretrain_drills": 4000}}))
+    outs = {"out": tmp_path / "out", "checkpoints": tmp_path / "ckpt", "live": tmp_path / "live",
+            "metrics": tmp_path / "m.json"}
+    with pytest.raises(RuntimeError, match="the teacher solved none of"):
+        sft.run(params, built.agent, built.sft_in, outs)
+    assert mp.active_children() == []
+    assert not (tmp_path / "out").exists() and not (tmp_path / "m.json").exists()
+
+
 def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):
     def params(**kw):
         return load_params("sft", sft.Params, write_params(tmp_path, "plr", profile={"sft": kw}))
@@ -364,13 +384,14 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
 
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     """A short run (4 steps of vision pre-training for reading and 4 for localisation, 8 pre-training steps on
-    captions and reading drills, 4 steps of the vision block (localisation drills and zoom captions), then 16
-    steps, a checkpoint every 4): SIGKILLed once a checkpoint of the last phase exists, rerun, and compared with an
-    uninterrupted in-process run of the same params (a short run keeps this test cheap), with length-grouped
-    batches and chain drills."""
+    captions and reading drills, 8 steps of the vision block (localisation drills and zoom captions; its stopping
+    check asked at step 4), then 16 steps, a checkpoint every 4): SIGKILLed once a checkpoint of the last phase
+    exists, rerun, and compared with an uninterrupted in-process run of the same params (a short run keeps this test
+    cheap), with length-grouped batches and chain drills."""
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
-             "pretrain_drills": 16, "pretrain_locate": 8, "locate_steps": 4, "pretrain_zoom_captions": 4,
+             "pretrain_drills": 16, "pretrain_locate": 8, "locate_steps": 8, "pretrain_zoom_captions": 4,
+             "locate_target": 0.9, "locate_check_scenes": 8,
              "mix_pretrain": 0.25, "locate_mix": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16,
              "vision_locate_steps": 4, "group_batches": 2, "drill_chains": 0.5, "vision_test_images": 24}
     params = write_params(tmp_path, "short", profile={"sft": short})
@@ -402,6 +423,9 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     assert m["locate_mixed_examples"] == straight_m["locate_mixed_examples"] == 4
     assert m["locate_loss_final"] == pytest.approx(straight_m["locate_loss_final"], abs=1e-6)
     assert (ckpt / "locate" / f"step-{fp.locate_steps:06d}").is_dir()
+    # its stopping check was asked at step 4 (of 8): a 12-step model frames fewer than 90% of 8 held-out scenes
+    assert m["locate_steps_run"] == straight_m["locate_steps_run"] == 8
+    assert 0.0 <= straight_m["locate_check_framed"] < 0.9
     # phase 2 mixes in a quarter of phase-1 examples: one per three trajectories, the same draw after the resume
     assert m["mixed_pretrain_examples"] == straight_m["mixed_pretrain_examples"] == round(m["examples"] / 3)
     assert m["pretrain_loss_final"] == pytest.approx(straight_m["pretrain_loss_final"], abs=1e-6)

@@ -196,9 +196,38 @@ def test_stage_params_for_phase_0_localisation():
     Params(vision_locate_steps=10, pretrain_locate=64, pretrain_steps=10)  # phase 1's drills are enough
 
 
-def test_group_batches_is_phase_one_and_twos_the_block_stays_shuffled():
-    """Length-grouped batches in phase 1 (text drills; 17% padding in random batches) and phase 2; the block keeps
-    plain shuffled batches (grouping would split its localisation drills from the shorter phase-1 drills)."""
+def test_each_phase_has_its_own_batch_grouping_and_the_block_stays_shuffled():
+    """``group_batches`` is phase 2's, ``pretrain_group_batches`` phase 1's (grouped, phase 1's batches come in runs
+    of one drill kind: the SFT model copied less, run Q); the block keeps plain shuffled batches (grouping would
+    split its localisation drills from the shorter phase-1 drills)."""
     p = Params(group_batches=8, pretrain_steps=10, pretrain_drills=4, pretrain_locate=4, locate_steps=5)
-    assert p.train_config().group_batches == p.pretrain_config().group_batches == 8
+    assert p.train_config().group_batches == 8
+    assert p.pretrain_config().group_batches == 1
     assert p.locate_config().group_batches == 1
+    q = Params(group_batches=1, pretrain_group_batches=4, pretrain_steps=10, pretrain_drills=4)
+    assert (q.train_config().group_batches, q.pretrain_config().group_batches) == (1, 4)
+    with pytest.raises(ValueError, match="sft.pretrain_group_batches must be >= 1"):
+        Params(pretrain_group_batches=0, pretrain_steps=10, pretrain_drills=4)
+    assert Params(pretrain_steps=0).pretrain_group_batches == 1  # no phase 1: nothing else to check
+
+
+def test_locate_target_makes_the_block_stop_at_a_held_out_check():
+    """``locate_target`` > 0 gives the block a :class:`mars.synth.locate.LocateCheck` (held-out scenes drawn with
+    another seed than the drills); 0 gives none; out-of-range knobs are errors."""
+    from mars.synth.locate import LocateCheck
+    from mars.world.generate import WorldSpec
+    from stages.sft import locate_block_dialogues, locate_check
+    from tests.model.test_model import tiny_stack
+
+    _, proc, _ = tiny_stack()
+    scene = WorldSpec.smoke().scene_config()
+    p = Params(pretrain_locate=4, locate_steps=5, locate_target=0.9, locate_check_scenes=3, seed=2)
+    check = locate_check(p, proc, scene, "sys", None)
+    assert isinstance(check, LocateCheck) and (len(check.prompts), check.target) == (3, 0.9)
+    train = locate_block_dialogues(p, scene, "sys")
+    assert all(c[1]["content"] != t[1]["content"] for c, t in zip(check.prompts, train))  # new scenes
+    assert locate_check(Params(pretrain_locate=4, locate_steps=5), proc, scene, "sys", None) is None
+    with pytest.raises(ValueError, match=r"sft.locate_target must be in \[0, 1\]"):
+        Params(locate_target=1.5)
+    with pytest.raises(ValueError, match="sft.locate_check_scenes must be >= 1"):
+        Params(locate_check_scenes=0)

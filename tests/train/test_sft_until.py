@@ -74,7 +74,7 @@ def test_locate_check_scores_held_out_scenes_against_the_teachers_cell():
     scene = WorldSpec.smoke().scene_config()
     prompts, truth = held_out_drills(scene, 6, seed=99, system="sys")
     full = locate_dialogues(scene, n=6, seed=99, system="sys")
-    assert [p for p in prompts] == [d[:-1] for d in full]  # the drills without their answer turn
+    assert prompts == [d[:-1] for d in full]  # the drills without their answer turn
     assert all(p[-1]["role"] == "user" for p in prompts)
     assert all(t is not None and 0 <= t[0] < scene.grid_rows and 0 <= t[1] < scene.grid_cols for t in truth)
     from mars.agent.protocol import parse_turn

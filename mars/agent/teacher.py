@@ -10,6 +10,11 @@ What it does
     - perception: ``image_zoom_in`` on the centre of the red-framed cell (:func:`~mars.agent.oracle.zone_zoom_box`:
       the central ``target_zone`` share of the cell, where the world puts the target), then ``<answer>`` the
       emblem's fill colour / shape / letter / pattern;
+    - the zoom's ``<think>`` names what the question asks and the plan, and its ``label`` (:data:`ZOOM_LABEL`,
+      echoed by the tool's observation right before the crop) differs by type: "framed region" before a
+      perception answer, "emblem to search" before a multi-hop image search. Without that, the SFT model
+      of session 17's run U answered every multi-hop question after its zoom as if it were a perception question
+      (no image search in 240 multi-hop episodes of its own training split; README, Results);
     - search: ``image_search(img_idx=0)``, then ``text_search("<top-1 title's name> <fact keyword>")``, then the fact
       read from the snippet titled with that name (no snippet with it: an unsupported guess, which the judge then
       rejects);
@@ -56,17 +61,26 @@ from mars.agent.oracle import (
 from mars.agent.protocol import format_tool_call
 from mars.world.questions import attribute_value
 
-__all__ = ["THINK", "teacher_policy", "titles_from_observation", "fact_from_observation"]
+__all__ = ["FACT_WORDS", "THINK", "ZOOM_LABEL", "teacher_policy", "titles_from_observation", "fact_from_observation"]
 
 _TITLE_SUFFIX = re.compile(r"\s+(logo|emblem|crest|insignia|badge)$")
 _YEAR = re.compile(r"\b(\d{4})\b")
 
 ATTRIBUTE_WORDS = {"colour": "fill colour", "glyph": "letter"}  # how a think names a perception attribute
+FACT_WORDS = {"founded_year": "founding year", "city": "city", "founder": "founder"}  # ... and a fact
+# the zoom's label by question type: the tool's observation echoes it right before the crop, where the policy
+# chooses between answering (perception) and searching (multi-hop)
+ZOOM_LABEL = {"perception": "framed region", "multi-hop": "emblem to search"}
 THINK = {  # the teacher's <think> wordings per step (also used by the drills of mars.synth)
-    "zoom": (
-        "The emblem inside the red frame is too small to see; zoom in on the framed region.",
-        "I need a closer look at the middle of the red frame.",
-        "The red frame marks the emblem; crop its centre to see the details.",
+    "zoom": (  # perception; {kind}: ATTRIBUTE_WORDS
+        "The emblem's {kind} is too small to see; zoom in on the red frame.",
+        "To tell the {kind}, I need a closer look at the red frame.",
+        "The red frame marks the emblem whose {kind} is asked; crop its centre.",
+    ),
+    "zoom_search": (  # multi-hop: the plan (zoom, then search) is stated before the zoom; {kind}: FACT_WORDS
+        "The {kind} is not in the picture: zoom in on the framed emblem, then search for it.",
+        "To find the {kind}, crop the framed emblem, then search for it.",
+        "First zoom in on the framed emblem, then search for it to learn its {kind}.",
     ),
     "zoom_wrong": (
         "Zoom in on this region to see its emblem better.",
@@ -75,6 +89,10 @@ THINK = {  # the teacher's <think> wordings per step (also used by the drills of
     "rezoom": (
         "This crop is not inside the red frame; that was the wrong region. Zoom on the framed one.",
         "Wrong region: the red frame is elsewhere. Crop the middle of the framed region instead.",
+    ),
+    "rezoom_search": (
+        "This crop is not inside the red frame; zoom on the framed emblem, then search for it.",
+        "Wrong region: the red frame is elsewhere. Crop the framed emblem to search for it.",
     ),
     "image_search": (
         "Find out whose emblem this is.",
@@ -177,13 +195,15 @@ def teacher_policy(
     picks = {k: int(rng.integers(len(v))) for k, v in THINK.items()}
     wrong_box = _wrong_box(world, q, rng) if wrong_zoom else None
     keyword = FACT_KEYWORD.get(kind, kind)
+    kind_word = ATTRIBUTE_WORDS.get(kind, kind) if qtype == "perception" else FACT_WORDS.get(kind, kind)
 
     def think(key: str, **kw) -> str:
         return THINK[key][picks[key]].format(**kw)
 
     plan: list[str] = []
     if qtype in ("perception", "multi-hop"):
-        plan += (["zoom_wrong", "rezoom"] if wrong_zoom else ["zoom"])
+        zoom, rezoom = ("zoom", "rezoom") if qtype == "perception" else ("zoom_search", "rezoom_search")
+        plan += (["zoom_wrong", rezoom] if wrong_zoom else [zoom])
     if qtype in ("search", "multi-hop"):
         plan += ["image_search"] + (["query_wrong", "requery"] if wrong_query else ["text_search"])
     plan.append("answer")
@@ -197,15 +217,13 @@ def teacher_policy(
     def policy(dialogue: list[dict]) -> str:
         n = _n_assistant(dialogue)
         step = plan[min(n, len(plan) - 1)]
-        if step == "zoom":
+        if step in ("zoom", "zoom_search", "rezoom", "rezoom_search"):
             return format_tool_call("image_zoom_in", {"bbox_2d": zone_zoom_box(world.targets[q["scene_id"]]),
-                                                      "label": "framed region", "img_idx": 0}, think("zoom"))
+                                                      "label": ZOOM_LABEL[qtype], "img_idx": 0},
+                                    think(step, kind=kind_word))
         if step == "zoom_wrong":
             return format_tool_call("image_zoom_in", {"bbox_2d": wrong_box, "label": "region", "img_idx": 0},
                                     think("zoom_wrong"))
-        if step == "rezoom":
-            return format_tool_call("image_zoom_in", {"bbox_2d": zone_zoom_box(world.targets[q["scene_id"]]),
-                                                      "label": "framed region", "img_idx": 0}, think("rezoom"))
         if step == "image_search":
             idx = 0 if qtype == "search" else crop_idx
             return format_tool_call("image_search", {"img_idx": idx}, think("image_search"))

@@ -257,7 +257,9 @@ def search_chain(results: pa.Table, questions: dict[str, dict], names: dict[str,
     ``questions`` maps a question id to its QUESTIONS row (``type``, ``entity_id``, ``answer``: the value, also for
     multiple choice); ``names`` an entity id to its name. Per episode: the first ``image_search`` observation's top-1
     title (without its "logo"/"crest"... suffix), the first ``text_search`` after it (its query and observation).
-    Returns ``{"chain_episodes": n, "chain_top1_right": share whose top-1 title is the question's organisation,
+    Returns ``{"chain_episodes": n, "chain_image_searched": share that reach an image search (a multi-hop policy
+    that answers after its zoom as if asked about the emblem never does), "chain_top1_right": share whose top-1
+    title is the question's organisation,
     "chain_query_copies_top1": share whose query is that title or starts with it and a space (right or wrong),
     "chain_snippet_has_answer": share whose text-search observation contains the answer (case-insensitive),
     "chain_right_given_snippet": correct among those (None when there are none)}``. An episode that never gets
@@ -268,12 +270,13 @@ def search_chain(results: pa.Table, questions: dict[str, dict], names: dict[str,
     from mars.agent.protocol import content_text, parse_turn
     from mars.agent.teacher import titles_from_observation
 
-    counts: dict[str, list[int]] = {}  # [episodes, top1 right, query copies, snippet has answer, right | snippet]
+    # [episodes, image searched, top1 right, query copies, snippet has answer, right | snippet]
+    counts: dict[str, list[int]] = {}
     for r in results.to_pylist():
         q = questions.get(r["question_id"])
         if q is None or q.get("type") not in ("search", "multi-hop"):
             continue
-        c = counts.setdefault(f"{r['model']}/{r['workflow']}", [0, 0, 0, 0, 0])
+        c = counts.setdefault(f"{r['model']}/{r['workflow']}", [0, 0, 0, 0, 0, 0])
         top = query = snippet = None
         last = None  # the tool the last assistant turn called
         for m in json.loads(r["messages_json"] or "[]"):
@@ -293,14 +296,16 @@ def search_chain(results: pa.Table, questions: dict[str, dict], names: dict[str,
         answer = str(q["answer"]).lower()
         has = snippet is not None and answer in snippet.lower()
         c[0] += 1
-        c[1] += bool(top) and top.lower() == str(names.get(q["entity_id"], "")).lower()
-        c[2] += bool(top) and query is not None and (query == top or query.startswith(top + " "))
-        c[3] += has
-        c[4] += has and bool(r["correct"])
-    return {mw: {"chain_episodes": n, "chain_top1_right": round(top1 / n, 4),
-                 "chain_query_copies_top1": round(copies / n, 4), "chain_snippet_has_answer": round(has / n, 4),
+        c[1] += top is not None
+        c[2] += bool(top) and top.lower() == str(names.get(q["entity_id"], "")).lower()
+        c[3] += bool(top) and query is not None and (query == top or query.startswith(top + " "))
+        c[4] += has
+        c[5] += has and bool(r["correct"])
+    return {mw: {"chain_episodes": n, "chain_image_searched": round(searched / n, 4),
+                 "chain_top1_right": round(top1 / n, 4), "chain_query_copies_top1": round(copies / n, 4),
+                 "chain_snippet_has_answer": round(has / n, 4),
                  "chain_right_given_snippet": round(right / has, 4) if has else None}
-            for mw, (n, top1, copies, has, right) in counts.items()}
+            for mw, (n, searched, top1, copies, has, right) in counts.items()}
 
 
 def plot_rows(results: pa.Table) -> tuple[list[dict], list[dict]]:

@@ -7,8 +7,10 @@ What it does
     scene and a perception or multi-hop question (the synthesize stage's templates; the perception questions ask
     about one of ``attributes``, those the synthesized questions ask), the assistant turn is the
     teacher's first move, ``image_zoom_in`` on the framed cell's target zone
-    (:func:`mars.agent.oracle.zone_zoom_box`) with one of the teacher's ``<think>`` wordings. Nothing after the
-    zoom is written: the drill teaches where to look, and the agentic trajectories teach the rest.
+    (:func:`mars.agent.oracle.zone_zoom_box`) with one of the teacher's ``<think>`` wordings for the question's
+    type and its zoom label (:data:`mars.agent.teacher.ZOOM_LABEL`: the plan, answer or search, is stated before
+    the zoom, as the teacher does). Nothing after the zoom is written: the drill teaches where to look, and the
+    agentic trajectories teach the rest.
 
 Deviation from the paper (and why)
     The paper's Qwen2.5-VL already localises a described region. The embedded default's vision tower is random-init
@@ -42,7 +44,7 @@ import numpy as np
 
 from mars.agent.oracle import zone_zoom_box
 from mars.agent.protocol import format_tool_call
-from mars.agent.teacher import THINK
+from mars.agent.teacher import ATTRIBUTE_WORDS, FACT_WORDS, THINK, ZOOM_LABEL
 from mars.world.emblems import random_emblem
 from mars.world.questions import (ATTRIBUTES, FACT_QUESTIONS, FACTS, FRAMED_SUBJECT, MULTIHOP_SUBJECT,
                                   PERCEPTION_QUESTIONS, check_attributes, question_text)
@@ -88,7 +90,8 @@ def locate_dialogues(
         size = scene_size(rng, long_side[0], long_side[1], scene.grid_rows, scene.grid_cols)
         image, info = render_scene(rng, scene, pool, size=size)
         mcq = bool(rng.random() < mcq_share)
-        if rng.random() < perception_share:
+        qtype = "perception" if rng.random() < perception_share else "multi-hop"
+        if qtype == "perception":
             attr = attributes[int(rng.integers(len(attributes)))]
             values = list(ATTRIBUTES[attr])
             base = PERCEPTION_QUESTIONS[attr].format(subject=FRAMED_SUBJECT)
@@ -103,8 +106,10 @@ def locate_dialogues(
         truth = {"scene_width": info.width, "scene_height": info.height, "grid_rows": info.grid_rows,
                  "grid_cols": info.grid_cols, "cell_row": info.target_cell[0], "cell_col": info.target_cell[1],
                  "target_zone": info.target_zone}
-        think = THINK["zoom"][int(rng.integers(len(THINK["zoom"])))]
-        reply = format_tool_call("image_zoom_in", {"bbox_2d": zone_zoom_box(truth), "label": "framed region",
+        wordings = THINK["zoom" if qtype == "perception" else "zoom_search"]
+        think = wordings[int(rng.integers(len(wordings)))].format(
+            kind=ATTRIBUTE_WORDS.get(attr, attr) if qtype == "perception" else FACT_WORDS[fact])
+        reply = format_tool_call("image_zoom_in", {"bbox_2d": zone_zoom_box(truth), "label": ZOOM_LABEL[qtype],
                                                    "img_idx": 0}, think)
         dialogue = [{"role": "system", "content": system}] if system else []
         dialogue += [

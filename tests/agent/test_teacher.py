@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mars.agent.engine import EngineConfig, run_episodes
 from mars.agent.oracle import accuracy_by_type, scripted_backend, zone_zoom_box
-from mars.agent.teacher import fact_from_observation, teacher_policy, titles_from_observation
+from mars.agent.teacher import ZOOM_LABEL, fact_from_observation, teacher_policy, titles_from_observation
 from tests.agent.test_oracle import smoke  # noqa: F401  (module fixture: smoke world, questions, tools)
 
 CFG = EngineConfig(max_turns=8)
@@ -32,6 +32,10 @@ def test_skill_one_follows_the_shortest_plan_and_reads_observations(smoke):  # n
         W, H = truth["scene_width"], truth["scene_height"]
         assert box[0] * W / 1000 <= truth["x0"] and truth["x1"] <= box[2] * W / 1000
         assert box[1] * H / 1000 <= truth["y0"] and truth["y1"] <= box[3] * H / 1000
+        # the zoom's think and label say what comes after it: answer (perception) or search (multi-hop)
+        think = t.messages[2]["content"].split("</think>")[0]
+        assert t.tool_calls[0]["arguments"]["label"] == ZOOM_LABEL[q["type"]]
+        assert ("search" in think) == (q["type"] == "multi-hop"), think
     # search answers are read from observations: wrong exactly when image search's top-1 title was wrong
     for t, q in zip(trajs, qs):
         if q["type"] == "search" and t.correct:

@@ -69,12 +69,12 @@ def test_each_link_of_the_chain_is_counted_where_the_episode_reaches_it():
              format_answer("1776", "t")),
     ]
     got = search_chain(pa.Table.from_pylist(rows), QUESTIONS, NAMES)
-    # run a, 5 episodes: top-1 right in episodes 1, 2, 4 (3/5); query copies the top-1 in 1, 3, 4 (3/5); the answer
-    # in the snippet in 1, 4 (2/5); right among those: episode 1 (1/2)
+    # run a, 5 episodes: an image search in episodes 1-4 (4/5); top-1 right in 1, 2, 4 (3/5); query copies the top-1
+    # in 1, 3, 4 (3/5); the answer in the snippet in 1, 4 (2/5); right among those: episode 1 (1/2)
     assert got == {
-        "a/agentic": {"chain_episodes": 5, "chain_top1_right": 0.6, "chain_query_copies_top1": 0.6,
-                      "chain_snippet_has_answer": 0.4, "chain_right_given_snippet": 0.5},
-        "b/agentic": {"chain_episodes": 1, "chain_top1_right": 1.0, "chain_query_copies_top1": 0.0,
-                      "chain_snippet_has_answer": 0.0, "chain_right_given_snippet": None},
+        "a/agentic": {"chain_episodes": 5, "chain_image_searched": 0.8, "chain_top1_right": 0.6,
+                      "chain_query_copies_top1": 0.6, "chain_snippet_has_answer": 0.4, "chain_right_given_snippet": 0.5},
+        "b/agentic": {"chain_episodes": 1, "chain_image_searched": 1.0, "chain_top1_right": 1.0,
+                      "chain_query_copies_top1": 0.0, "chain_snippet_has_answer": 0.0, "chain_right_given_snippet": None},
     }
     assert search_chain(pa.Table.from_pylist(rows[5:7]), QUESTIONS, NAMES) == {}  # no search episode, no entry

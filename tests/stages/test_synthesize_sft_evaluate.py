@@ -27,7 +27,7 @@ import yaml
 
 from mars.agent.config import AgentParams
 from mars.params import load_params
-from mars.world.questions import asked_attribute
+from mars.world.questions import asked_attribute, asked_attributes
 from stages import curate, evaluate, index, sft, synthesize, world
 from tests.conftest import REPO, sh, sub_env
 from tests.synth.test_llm import REPLIES, server  # noqa: F401  (a real OpenAI-compatible test server)
@@ -370,7 +370,7 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
         p = load_params("sft", sft.Params, write_params(tmp_path, "blk", profile={"sft": {**base, **kw}}))
         qs = pq.read_table(b.sft_in["questions"]).to_pylist()
         return (sft.pretrain_dialogues(p, b.agent, b.sft_in["world_dir"], b.sft_in["index_dir"], qs, scene, "S"),
-                sft.locate_block_dialogues(p, scene, "S"))
+                sft.locate_block_dialogues(p, scene, "S", asked_attributes(qs)))  # as the stage draws them
 
     mixed, none = dialogues()
     apart, block = dialogues(locate_steps=6)

@@ -56,6 +56,11 @@ def test_located_cell_maps_zoom_centres_to_cells():
     assert located_cell([0, 600, 300, 1000], 3, 3) == (2, 0)
 
 
+# how each question template starts -> the word the zoom's think names it by (ATTRIBUTE_WORDS, FACT_WORDS)
+_ASKED = {"What colour": "fill colour", "What shape": "shape", "Which letter": "letter", "Which pattern": "pattern",
+          "In which year": "founding year", "In which city": "city", "Who founded": "founder"}
+
+
 @pytest.mark.parametrize("rows,cols", [(2, 2), (3, 3)])
 def test_drills_zoom_on_the_framed_cell(rows, cols):
     scene = WorldSpec(grid_rows=rows, grid_cols=cols).scene_config()
@@ -69,7 +74,13 @@ def test_drills_zoom_on_the_framed_cell(rows, cols):
         assert FRAMED_SUBJECT in question or MULTIHOP_SUBJECT in question
         turn = parse_turn(assistant["content"])
         assert turn.well_formed and turn.tool_name == "image_zoom_in", assistant["content"]
-        assert turn.arguments["img_idx"] == 0 and turn.arguments["label"] == "framed region"
+        # the think and the label name the plan by question type: answer what the zoom shows, or search for it
+        perception = FRAMED_SUBJECT in question
+        assert turn.arguments["img_idx"] == 0
+        assert turn.arguments["label"] == ("framed region" if perception else "emblem to search")
+        assert ("search" in turn.think) != perception, assistant["content"]
+        asked = next(w for start, w in _ASKED.items() if question.startswith(start))
+        assert asked in turn.think, (question, turn.think)
         box = turn.arguments["bbox_2d"]
         cell = located_cell(box, rows, cols)
         assert cell == _red_cell(image, rows, cols)

@@ -61,7 +61,8 @@ from mars.agent.oracle import (
 from mars.agent.protocol import format_tool_call
 from mars.world.questions import attribute_value
 
-__all__ = ["FACT_WORDS", "THINK", "ZOOM_LABEL", "teacher_policy", "titles_from_observation", "fact_from_observation"]
+__all__ = ["FACT_WORDS", "THINK", "ZOOM_LABEL", "asked_word", "teacher_policy", "titles_from_observation",
+           "fact_from_observation"]
 
 _TITLE_SUFFIX = re.compile(r"\s+(logo|emblem|crest|insignia|badge)$")
 _YEAR = re.compile(r"\b(\d{4})\b")
@@ -71,6 +72,14 @@ FACT_WORDS = {"founded_year": "founding year", "city": "city", "founder": "found
 # the zoom's label by question type: the tool's observation echoes it right before the crop, where the policy
 # chooses between answering (perception) and searching (multi-hop)
 ZOOM_LABEL = {"perception": "framed region", "multi-hop": "emblem to search"}
+
+
+def asked_word(kind: str) -> str:
+    """How a think names what a question asks: an attribute (:data:`ATTRIBUTE_WORDS`) or a fact
+    (:data:`FACT_WORDS`); the two key sets are disjoint, anything else is named as it is."""
+    return ATTRIBUTE_WORDS.get(kind) or FACT_WORDS.get(kind, kind)
+
+
 THINK = {  # the teacher's <think> wordings per step (also used by the drills of mars.synth)
     "zoom": (  # perception; {kind}: ATTRIBUTE_WORDS
         "The emblem's {kind} is too small to see; zoom in on the red frame.",
@@ -195,7 +204,6 @@ def teacher_policy(
     picks = {k: int(rng.integers(len(v))) for k, v in THINK.items()}
     wrong_box = _wrong_box(world, q, rng) if wrong_zoom else None
     keyword = FACT_KEYWORD.get(kind, kind)
-    kind_word = ATTRIBUTE_WORDS.get(kind, kind) if qtype == "perception" else FACT_WORDS.get(kind, kind)
 
     def think(key: str, **kw) -> str:
         return THINK[key][picks[key]].format(**kw)
@@ -220,7 +228,7 @@ def teacher_policy(
         if step in ("zoom", "zoom_search", "rezoom", "rezoom_search"):
             return format_tool_call("image_zoom_in", {"bbox_2d": zone_zoom_box(world.targets[q["scene_id"]]),
                                                       "label": ZOOM_LABEL[qtype], "img_idx": 0},
-                                    think(step, kind=kind_word))
+                                    think(step, kind=asked_word(kind)))
         if step == "zoom_wrong":
             return format_tool_call("image_zoom_in", {"bbox_2d": wrong_box, "label": "region", "img_idx": 0},
                                     think("zoom_wrong"))

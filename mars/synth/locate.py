@@ -44,7 +44,7 @@ import numpy as np
 
 from mars.agent.oracle import zone_zoom_box
 from mars.agent.protocol import format_tool_call
-from mars.agent.teacher import ATTRIBUTE_WORDS, FACT_WORDS, THINK, ZOOM_LABEL
+from mars.agent.teacher import THINK, ZOOM_LABEL, asked_word
 from mars.world.emblems import random_emblem
 from mars.world.questions import (ATTRIBUTES, FACT_QUESTIONS, FACTS, FRAMED_SUBJECT, MULTIHOP_SUBJECT,
                                   PERCEPTION_QUESTIONS, check_attributes, question_text)
@@ -107,8 +107,8 @@ def locate_dialogues(
                  "grid_cols": info.grid_cols, "cell_row": info.target_cell[0], "cell_col": info.target_cell[1],
                  "target_zone": info.target_zone}
         wordings = THINK["zoom" if qtype == "perception" else "zoom_search"]
-        think = wordings[int(rng.integers(len(wordings)))].format(
-            kind=ATTRIBUTE_WORDS.get(attr, attr) if qtype == "perception" else FACT_WORDS[fact])
+        asked = asked_word(attr if qtype == "perception" else fact)
+        think = wordings[int(rng.integers(len(wordings)))].format(kind=asked)
         reply = format_tool_call("image_zoom_in", {"bbox_2d": zone_zoom_box(truth), "label": ZOOM_LABEL[qtype],
                                                    "img_idx": 0}, think)
         dialogue = [{"role": "system", "content": system}] if system else []

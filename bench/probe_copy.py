@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.questions}: no search or multi-hop questions in split {args.split!r}")
     t0 = time.perf_counter()
     teacher = dataclasses.replace(params, teacher_skill=1.0, n_trajectories=len(qs))
-    trajs, stats = S.teacher_trajectories(teacher, agent, qs, args.image_root, args.world_dir, args.index_dir)
+    trajs, _ = S.teacher_trajectories(teacher, agent, qs, args.image_root, args.world_dir, args.index_dir)
     by_id = {q["question_id"]: q for q in qs}
     print(f"teacher: {len(trajs)} of {len(qs)} {args.split} search and multi-hop questions answered right "
           f"({time.perf_counter() - t0:.0f} s)")

@@ -26,8 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mars.agent.protocol import compact_system_prompt  # noqa: E402
@@ -35,6 +33,7 @@ from mars.model.build import load_checkpoint  # noqa: E402
 from mars.stage import load_section  # noqa: E402
 from mars.synth.locate import framed_count, held_out_drills  # noqa: E402
 from mars.tools.base import TOOL_SCHEMAS  # noqa: E402
+from mars.train.checkpoint import load_model_weights  # noqa: E402
 from stages.world import Params as WorldParams  # noqa: E402
 from stages.world import world_spec  # noqa: E402
 
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             ("teacher", float(sum(t is not None for t in truth)), 0.0)]
     for label, state in [(ns.model, None), *[(s, s) for s in ns.state]]:
         if state is not None:
-            model.load_state_dict(torch.load(state, map_location="cpu", weights_only=False)["model"])
+            load_model_weights(model, state)
         t0 = time.perf_counter()
         rows.append((label, float(framed_count(model, proc, scene, drills, truth)), time.perf_counter() - t0))
     print(f"held-out localisation drills: {ns.n} new scenes (seed {ns.seed}), grid {scene.grid_rows}x{scene.grid_cols}")

@@ -37,8 +37,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mars.agent.config import AgentParams  # noqa: E402
@@ -49,6 +47,7 @@ from mars.data.schemas import QUESTIONS  # noqa: E402
 from mars.model.build import load_checkpoint  # noqa: E402
 from mars.rl.judge import rule_judge  # noqa: E402
 from mars.params import load_params  # noqa: E402
+from mars.train.checkpoint import load_model_weights  # noqa: E402
 from stages import sft as S  # noqa: E402
 
 CONTEXTS = ("episode", "no images", "drill")
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     n = len(trajs)
     for weights in [None, *args.state]:
         if weights is not None:
-            model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=False)["model"])
+            load_model_weights(model, weights)
         backend = HFBackend(model, proc)
         rows = {c: [] for c in CONTEXTS}
         for c in CONTEXTS:

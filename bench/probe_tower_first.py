@@ -10,8 +10,8 @@ What it measures
     seed: as it is (the baseline) and after ``--tower-steps`` steps of phase-0 localisation. The block is the
     stage's: its drills, its ``locate_mix`` share of phase 1's examples, its rates and schedule
     (``--block-steps``, default ``sft.locate_steps``). Every ``--every`` block steps the model is scored on held-out
-    localisation drills (:func:`probe_block.framed`: new scenes, greedy first turn, the zoom's cell against the
-    teacher's).
+    localisation drills (:func:`mars.synth.locate.framed_count`: new scenes, greedy first turn, the zoom's cell
+    against the teacher's).
 
 Finding (README, Results, session 14): from run J's phase-1 state, 300 block steps alone framed 24 and 23 of 80
 held-out scenes (chance 20) with block seeds 0 and 1; after 150 tower steps (held-out cell 99%) the block framed 80
@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mars.agent.config import AgentParams  # noqa: E402
 from mars.agent.protocol import compact_system_prompt, system_prompt  # noqa: E402
@@ -47,10 +46,11 @@ from mars.data.io import read_table  # noqa: E402
 from mars.data.schemas import QUESTIONS  # noqa: E402
 from mars.model.build import load_checkpoint  # noqa: E402
 from mars.stage import load_section  # noqa: E402
+from mars.synth.locate import framed_count, held_out_drills  # noqa: E402
 from mars.tools.base import TOOL_SCHEMAS  # noqa: E402
+from mars.train.checkpoint import load_model_weights  # noqa: E402
 from mars.train.data import render_examples  # noqa: E402
 from mars.train.sft import train_sft  # noqa: E402
-from probe_block import framed, held_out  # noqa: E402
 from stages import sft as S  # noqa: E402
 from stages.world import Params as WorldParams  # noqa: E402
 from stages.world import world_spec  # noqa: E402
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tok, proc = load_checkpoint(ns.base)
     base_tower = copy.deepcopy(model.model.visual.state_dict())
-    model.load_state_dict(torch.load(state, map_location="cpu", weights_only=False)["model"])
+    load_model_weights(model, state)
     model.model.visual.load_state_dict(base_tower)  # phase 1 is text only: its tower is the untrained one
     start = copy.deepcopy(model.state_dict())
     t0 = time.perf_counter()
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     block = render_examples(locate, proc, p.max_len, desc="rendering block data")
     kept = S._mix(pool, len(block), p.locate_mix, p.seed)
     del pool
-    drills, truth = held_out(scene, ns.n, seed=99)
+    drills, truth = held_out_drills(scene, ns.n, 99, compact_system_prompt(TOOL_SCHEMAS))
     print(f"block: {len(block)} drills + {len(kept)} phase-1 examples, {p.locate_steps} steps; {ns.n} held-out "
           f"scenes; prepared in {time.perf_counter() - t0:.0f} s", flush=True)
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 def probe(step: int, _row: dict) -> None:
                     if (step + 1) % ns.every == 0 or step + 1 == p.locate_steps:
-                        counts.append(framed(model, proc, scene, drills, truth))
+                        counts.append(framed_count(model, proc, scene, drills, truth))
                         model.train()
                         print(f"  {variant}, seed {seed}, block step {step + 1}: framed {counts[-1]} of {ns.n}",
                               flush=True)

@@ -4,7 +4,8 @@ What it does
     :func:`save_state` writes ``<dir>/step-<NNNNNN>/state.pt`` (and its fingerprint in ``fingerprint.txt``)
     atomically (staging directory + rename), removes the checkpoints of other fingerprints and keeps the newest
     ``keep`` of its own; :func:`latest_state` loads the newest one whose ``fingerprint`` (a hash of the
-    run's params and inputs) matches, so a changed run starts fresh instead of resuming someone else's state.
+    run's params and inputs) matches, so a changed run starts fresh instead of resuming someone else's state;
+    :func:`load_model_weights` puts a state's model weights into a loaded checkpoint (the bench probes).
     :func:`source_digest` hashes the project's code (the ``mars`` and ``stages`` packages): the stages put it in
     their fingerprints, so a code change (a reward, a loss, a judge) never resumes state made by the old code.
     :func:`rng_state` / :func:`set_rng_state` capture Python's, NumPy's and torch's generators.
@@ -97,6 +98,16 @@ def save_state(ckpt_dir: str | Path, step: int, state: dict, keep: int = 2) -> P
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def load_model_weights(model: torch.nn.Module, state_path: str | Path) -> None:
+    """Replace ``model``'s weights by the ``model`` entry of a training ``state.pt`` (:func:`save_state`), e.g. to
+    probe phase 1's last checkpoint with the final model's tokenizer and config."""
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or "model" not in state:
+        raise ValueError(f"{state_path}: not a training state (no 'model' entry); pass a <ckpt>/step-*/state.pt "
+                         "written by the sft, vision or rl stage")
+    model.load_state_dict(state["model"])
 
 
 def latest_state(ckpt_dir: str | Path, fp: str) -> dict | None:

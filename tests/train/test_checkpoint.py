@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from mars.train.checkpoint import fingerprint, latest_state, save_state, source_digest
@@ -61,3 +62,17 @@ def test_a_changed_fingerprint_starts_afresh_and_its_checkpoints_outlive_the_old
     state = latest_state(tmp_path, fp_new)
     assert state["step"] == 150 and torch.equal(state["w"], torch.zeros(2))
     assert latest_state(tmp_path, fp_old) is None
+
+
+def test_load_model_weights_takes_a_states_model_entry_and_rejects_other_files(tmp_path):
+    from mars.train.checkpoint import load_model_weights
+
+    trained, fresh = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        trained.weight.fill_(0.5)
+    path = save_state(tmp_path, 7, {"fingerprint": "fp", "step": 7, "model": trained.state_dict()}) / "state.pt"
+    load_model_weights(fresh, path)
+    assert torch.equal(fresh.weight, trained.weight) and torch.equal(fresh.bias, trained.bias)
+    torch.save({"w": torch.ones(2)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="no 'model' entry"):
+        load_model_weights(fresh, tmp_path / "other.pt")

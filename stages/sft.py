@@ -502,7 +502,9 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
             pre_stats |= {f"{name}_examples": len(block), f"{name}_loss_first": res["loss_first"],
                           f"{name}_loss_final": res["loss_final"], f"{name}_tokens_per_s": res["tokens_per_s"],
                           f"{name}_steps_run": res["steps"]}
-            if check is not None and check.history:  # the last check's held-out share (at the stop, if any)
+            if check is not None:  # the held-out share of the weights phase 2 starts from
+                if not check.history or check.history[-1][0] != res["steps"]:  # ran to its ceiling, or restored
+                    check(model, res["steps"])
                 pre_stats[f"{name}_check_framed"] = check.history[-1][1]
             if kept:
                 pre_stats[f"{name}_mixed_examples"] = len(kept)

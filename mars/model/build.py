@@ -3,8 +3,9 @@ checkpoint.
 
 What it does
     :func:`tiny_config` returns a ``Qwen2_5_VLConfig`` (``arch="qwen2_5_vl"``) or a ``Qwen3VLConfig``
-    (``arch="qwen3_vl"``) of about 1M parameters (DESIGN.md section 3: text hidden 128, 3 layers, 4 heads / 2 KV
-    heads; vision hidden 96, 2 layers; the merger projects to the text hidden size; mrope sections ``[t, h, w]``
+    (``arch="qwen3_vl"``) of about 1M parameters (DESIGN.md section 3: text hidden 128, 3 layers here and in the
+    smoke profile, 4 in the default profile's ``sft.text_layers`` since session 20, 4 heads / 2 KV heads; vision
+    hidden 96, 2 layers; the merger projects to the text hidden size; mrope sections ``[t, h, w]``
     summing to ``head_dim / 2``). The two architectures differ where it matters for the tiny model: Qwen3-VL's vision
     tower adds a learned absolute position embedding to its patches (Qwen2.5-VL's knows positions only through 2-D
     rotary attention, so no token's value says where it is), uses 16-px patches (32-px merged tokens, against 28),

@@ -36,9 +36,10 @@ What it does
        ``lr`` and ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision
        tower needs (README: localisation); without phase 1's examples the block erased the copying phase 1 taught
        (README). With ``locate_target`` > 0 the block stops early once the model's greedy first zoom frames that
-       share of ``locate_check_scenes`` held-out scenes (asked at every checkpoint: :func:`locate_check`), so
-       ``locate_steps`` is a ceiling: a fixed 200-step block framed 80 of 80 test scenes in one run and 19 in
-       another (README, session 17). Phase 1's and the block's dialogues are drawn in a second process while the
+       share of ``locate_check_scenes`` held-out scenes (asked at every checkpoint: :func:`locate_check`; the
+       metrics' ``locate_check_framed`` is the share of the block's last weights), so ``locate_steps`` is a
+       ceiling: a fixed 200-step block framed 80 of 80 test scenes in one run and 19 in another (README, session
+       17). Phase 1's and the block's dialogues are drawn in a second process while the
        teacher of step 1 plays (:func:`drill_dialogues`; ``drills_wait_s`` in the metrics: how long the drawing
        outlasted it).
     4. Training on the teacher trajectories (with ``trajectory_names: new`` or ``world`` their organisation and

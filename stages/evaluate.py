@@ -24,7 +24,8 @@ cell (:func:`mars.eval.run.first_zoom_framed`; localisation, chance one cell of 
 chain of the search and multi-hop episodes (``chain_*``, :func:`mars.eval.run.search_chain`: top-1 image-search
 title right, query copies it, the text-search result holds the answer, right given that) and perception accuracy
 per asked attribute (``perception_by_attribute``: colour, shape, letter, pattern;
-:func:`mars.eval.run.perception_by_attribute`).
+:func:`mars.eval.run.perception_by_attribute`) and by answer form (``by_form``: open, choice; ``letter_on_open``,
+``letter_on_choice``: the shares answered with a bare option letter; :func:`mars.eval.run.answer_form`).
 
 Run: ``python -m stages.evaluate --questions data/synthesize/questions.parquet --image-root data/synthesize
 --world-dir data/world --index-dir data/index --sft data/sft --out data/evaluate --progress data/evaluate_progress
@@ -126,8 +127,8 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.data.schemas import ENTITIES, QUESTIONS, WORLD_TRUTH
     from mars.eval.loaders import load_benchmark
     from mars.eval.report import write_report
-    from mars.eval.run import (ResultStore, evaluate_model, first_zoom_framed, perception_by_attribute, plot_rows,
-                               search_chain, summarize)
+    from mars.eval.run import (ResultStore, answer_form, evaluate_model, first_zoom_framed, perception_by_attribute,
+                               plot_rows, search_chain, summarize)
     from mars.train.checkpoint import fingerprint, source_digest
 
     code = source_digest()  # a code change (judge, engine, tools) re-scores instead of reusing the stored episodes
@@ -200,6 +201,8 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         metrics["test"][mw] |= chain
     for mw, by_attr in perception_by_attribute(test, synth).items():  # which emblem attribute is read
         metrics["test"][mw] |= by_attr
+    for mw, form in answer_form(test, synth).items():  # open questions against option letters
+        metrics["test"][mw] |= form
     acc, tools = plot_rows(results)
     with atomic_dir(outputs["out"]) as out:
         write_artifacts({out / "results.parquet": (results, "results")})

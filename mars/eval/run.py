@@ -17,7 +17,8 @@ What it does
     title the right organisation, does the next text query copy that title, does its result hold the answer, and is
     the answer then right), so ``dvc metrics show`` says which link of the chain fails.
     :func:`perception_by_attribute` splits perception accuracy by the attribute asked (colour, shape, letter,
-    pattern), so it says which one the policy reads.
+    pattern), so it says which one the policy reads. :func:`answer_form` splits accuracy into open and
+    multiple-choice questions and counts bare option letters, so a score made of guessed letters shows.
 
 Workflows
     ``agentic``: the three tools and the protocol's system prompt (the ``agent`` params section).
@@ -47,7 +48,7 @@ from mars.data.io import atomic_path
 from mars.data.schemas import RESULTS
 
 __all__ = ["ResultStore", "engine_question", "evaluate_model", "result_rows", "summarize", "plot_rows",
-           "first_zoom_framed", "perception_by_attribute", "search_chain", "WORKFLOWS"]
+           "first_zoom_framed", "perception_by_attribute", "search_chain", "answer_form", "WORKFLOWS"]
 log = logging.getLogger(__name__)
 WORKFLOWS = ("agentic", "direct")
 _TOOL_COLS = {"image_zoom_in": "n_zoom", "text_search": "n_text_search", "image_search": "n_image_search"}
@@ -248,6 +249,36 @@ def perception_by_attribute(results: pa.Table, questions: dict[str, dict]) -> di
         c[0] += bool(r["correct"])
         c[1] += 1
     return {mw: {"perception_by_attribute": {a: round(hit / n, 4) for a, (hit, n) in sorted(by.items())}}
+            for mw, by in counts.items()}
+
+
+_LETTER_RE = re.compile(r"\(?[A-Z]\)?[.:]?")  # a bare option letter: "B", "(B)", "B."
+
+
+def answer_form(results: pa.Table, questions: dict[str, dict]) -> dict:
+    """Accuracy by the question's answer form, per ``"model/workflow"``, over the result rows of the pipeline's
+    questions (``questions``: question id -> QUESTIONS row; a non-empty ``choices`` makes it multiple choice):
+    ``{"by_form": {"open": share correct, "choice": share correct}, "letter_on_open": share of the open questions
+    answered with a bare option letter (always wrong: they list no options; questions whose answer is itself a
+    letter, an emblem's glyph, are left out of this share), "letter_on_choice": share of the multiple-choice ones
+    answered with one}``. A multiple-choice question can be answered right by a guessed letter (one in four here),
+    an open one only by the value read and written, so the open share is the cleaner measure of reading (README,
+    session 20). A form without questions in the run is left out; so is a run without any."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for r in results.to_pylist():
+        q = questions.get(r["question_id"])
+        if q is None:
+            continue
+        form = "choice" if q.get("choices") else "open"
+        c = counts.setdefault(f"{r['model']}/{r['workflow']}", {}).setdefault(form, [0, 0, 0, 0])
+        c[0] += bool(r["correct"])
+        c[1] += 1
+        if form == "open" and _LETTER_RE.fullmatch(str(q.get("answer") or "").strip()):
+            continue  # a glyph: a letter is the right form here
+        c[2] += bool(_LETTER_RE.fullmatch((r.get("prediction") or "").strip()))
+        c[3] += 1
+    return {mw: {"by_form": {f: round(right / n, 4) for f, (right, n, _, _) in sorted(by.items())},
+                 **{f"letter_on_{f}": round(letters / m, 4) for f, (_, _, letters, m) in sorted(by.items()) if m}}
             for mw, by in counts.items()}
 
 

@@ -537,6 +537,12 @@ def test_evaluate_smoke(trained, tmp_path):
     asked = {asked_attribute(q["question"]) for q in questions(b, "test") if q["type"] == "perception"}
     assert asked and set(oracle["perception_by_attribute"]) == asked
     assert set(oracle["perception_by_attribute"].values()) == {1.0}
+    # by answer form: the oracle answers each multiple-choice question with its option's letter and no open one with
+    # a letter (a glyph question's letter is its value, left out of that share)
+    forms = {"choice" if q["choices"] else "open" for q in questions(b, "test")}
+    assert set(oracle["by_form"]) == forms == {"open", "choice"}
+    assert oracle["letter_on_choice"] == 1.0 and oracle["letter_on_open"] == 0.0
+    assert test["base/agentic"]["by_form"] == {"choice": 0.0, "open": 0.0}
     assert json.loads((tmp_path / "m.json").read_text()) == json.loads(json.dumps(metrics))
     assert (tmp_path / "out/report.html").stat().st_size > 1000
     for name in ("accuracy", "tool_calls"):

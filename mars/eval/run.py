@@ -33,6 +33,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+import string
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -252,9 +253,6 @@ def perception_by_attribute(results: pa.Table, questions: dict[str, dict]) -> di
             for mw, by in counts.items()}
 
 
-_LETTER_RE = re.compile(r"\(?[A-Z]\)?[.:]?")  # a bare option letter: "B", "(B)", "B."
-
-
 def answer_form(results: pa.Table, questions: dict[str, dict]) -> dict:
     """Accuracy by the question's answer form, per ``"model/workflow"``, over the result rows of the pipeline's
     questions (``questions``: question id -> QUESTIONS row; a non-empty ``choices`` makes it multiple choice):
@@ -263,7 +261,10 @@ def answer_form(results: pa.Table, questions: dict[str, dict]) -> dict:
     letter, an emblem's glyph, are left out of this share), "letter_on_choice": share of the multiple-choice ones
     answered with one}``. A multiple-choice question can be answered right by a guessed letter (one in four here),
     an open one only by the value read and written, so the open share is the cleaner measure of reading (README,
-    session 20). A form without questions in the run is left out; so is a run without any."""
+    session 20). A bare letter is one the rule judge reads as the whole answer (:func:`mars.rl.judge.bare_choice`,
+    A-D). A form without questions in the run is left out; so is a run without any."""
+    from mars.rl.judge import bare_choice
+
     counts: dict[str, dict[str, list[int]]] = {}
     for r in results.to_pylist():
         q = questions.get(r["question_id"])
@@ -273,9 +274,9 @@ def answer_form(results: pa.Table, questions: dict[str, dict]) -> dict:
         c = counts.setdefault(f"{r['model']}/{r['workflow']}", {}).setdefault(form, [0, 0, 0, 0])
         c[0] += bool(r["correct"])
         c[1] += 1
-        if form == "open" and _LETTER_RE.fullmatch(str(q.get("answer") or "").strip()):
+        if form == "open" and bare_choice(q.get("answer"), string.ascii_uppercase):
             continue  # a glyph: a letter is the right form here
-        c[2] += bool(_LETTER_RE.fullmatch((r.get("prediction") or "").strip()))
+        c[2] += bare_choice(r.get("prediction")) is not None
         c[3] += 1
     return {mw: {"by_form": {f: round(right / n, 4) for f, (right, n, _, _) in sorted(by.items())},
                  **{f"letter_on_{f}": round(letters / m, 4) for f, (_, _, letters, m) in sorted(by.items()) if m}}

@@ -38,6 +38,7 @@ __all__ = [
     "JudgeResult",
     "JudgeUnavailable",
     "LLMJudge",
+    "bare_choice",
     "extract_choice",
     "judge_answer",
     "normalize_answer",
@@ -103,6 +104,27 @@ def normalize_answer(s: str) -> str:
 # ----------------------------------------------------------------------------------------------- MCQ letters
 
 
+def _letter_class(letters: Iterable[str]) -> str:
+    return "[" + "".join(re.escape(c) + re.escape(c.lower()) for c in letters) + "]"
+
+
+def bare_choice(text: str | None, choices: Iterable[str] = "ABCD") -> str | None:
+    """The letter when the whole text is one option letter (``"b"``, ``"(B)"``, ``"B."``), else ``None``: the first
+    rule of :func:`extract_choice`.
+
+    >>> bare_choice("(b).")
+    'B'
+    >>> bare_choice("B. Paris") is None
+    True
+    """
+    letters = [c for c in (str(c).strip().upper() for c in choices) if len(c) == 1]
+    if not letters or text is None:
+        return None
+    m = re.fullmatch(r"[\s(\[{*]*(" + _letter_class(letters) + r")[\s)\]}.:*]*",
+                     unicodedata.normalize("NFKC", str(text)).strip())
+    return m.group(1).upper() if m else None
+
+
 def extract_choice(text: str, choices: Iterable[str] = "ABCD", options: Mapping[str, str] | None = None) -> str | None:
     """Extract a multiple-choice letter from free text, or ``None`` when there is none or it is ambiguous.
 
@@ -134,14 +156,14 @@ def extract_choice(text: str, choices: Iterable[str] = "ABCD", options: Mapping[
         letters = sorted(set(letters) | {str(k).strip().upper() for k in options if len(str(k).strip()) == 1})
     if not letters or text is None:
         return None
-    cls = "[" + "".join(re.escape(c) + re.escape(c.lower()) for c in letters) + "]"
+    cls = _letter_class(letters)
     t = unicodedata.normalize("NFKC", str(text)).strip()
     if len(t) > 10_000:
         t = t[:5_000] + " " + t[-5_000:]
 
-    m = re.fullmatch(r"[\s(\[{*]*(" + cls + r")[\s)\]}.:*]*", t)
-    if m:
-        return m.group(1).upper()
+    bare = bare_choice(t, letters)
+    if bare:
+        return bare
 
     marker = r"answer\s*(?:is|:|=|-)?\s*(?:option|choice)?\s*[:\-]?\s*[(\[]?\s*(" + cls + r")\b(?:\s*[)\]])?"
     best = None

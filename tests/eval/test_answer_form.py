@@ -42,6 +42,8 @@ def test_open_and_choice_accuracy_and_letter_shares_per_run():
 
 
 def test_a_value_or_a_sentence_is_not_a_letter():
-    rows = [_row("c1", "rl", p, False) for p in ("1776", "C 1776", "Answer: C", "c", "AB", "")]
-    # only a single capital letter, bare or in parentheses with an optional stop, is a letter answer
+    rows = [_row("c1", "rl", p, False) for p in ("1776", "C 1776", "Answer: C", "AB", "E", "")]
+    # only a whole answer that is one option letter A-D, as the rule judge reads it, counts
     assert answer_form(pa.Table.from_pylist(rows), QUESTIONS)["rl/agentic"]["letter_on_choice"] == 0.0
+    rows = [_row("c1", "rl", p, False) for p in ("c", " [D] ", "(a).", "1772")]
+    assert answer_form(pa.Table.from_pylist(rows), QUESTIONS)["rl/agentic"]["letter_on_choice"] == 0.75

@@ -39,9 +39,14 @@ What it does
        share of ``locate_check_scenes`` held-out scenes (asked at every checkpoint: :func:`locate_check`; the
        metrics' ``locate_check_framed`` is the share of the block's last weights), so ``locate_steps`` is a
        ceiling: a fixed 200-step block framed 80 of 80 test scenes in one run and 19 in another (README, session
-       17). Phase 1's and the block's dialogues are drawn in a second process while the
-       teacher of step 1 plays (:func:`drill_dialogues`; ``drills_wait_s`` in the metrics: how long the drawing
-       outlasted it).
+       17). Phase 1 likewise, with ``pretrain_target`` > 0: it stops once its greedy replies copy that share of
+       ``pretrain_check_drills`` held-out reading drills right (another seed, so new stand-in names; asked at the
+       checkpoints from step ``pretrain_check_from`` on: :func:`copy_check`; the metrics' ``pretrain_check_copied``
+       is the share of phase 1's last weights), so ``pretrain_steps`` is a ceiling: phase 1's copying, which sets
+       what the SFT model can read, came at step ~1,000 with one seed and not by step 2,000 with another (README,
+       session 21). Phase 1's and the block's dialogues (and the check's drills) are drawn in a second process
+       while the teacher of step 1 plays (:func:`drill_dialogues`; ``drills_wait_s`` in the metrics: how long the
+       drawing outlasted it).
     4. Training on the teacher trajectories (with ``trajectory_names: new`` or ``world`` their organisation and
        founder names replaced by stand-ins, a fresh set per trajectory, as in the drills:
        :func:`trajectory_dialogues`; measured in the README, off by default), with a seeded ``mix_pretrain`` share
@@ -112,6 +117,9 @@ class Params:
     locate_steps: int = 0  # > 0: the pretrain_locate drills get a block of their own, these steps after phase 1
     locate_target: float = 0.0  # > 0: the block stops once its first zoom frames this share of held-out scenes
     locate_check_scenes: int = 40  # the held-out scenes of that check (asked at every checkpoint)
+    pretrain_target: float = 0.0  # > 0: phase 1 stops once its greedy replies copy this share of held-out drills
+    pretrain_check_drills: int = 60  # the held-out reading drills of that check (another seed: fresh names)
+    pretrain_check_from: int = 0  # the check is asked at the checkpoints from this phase-1 step on
     mix_pretrain: float = 0.0  # share of phase 2's examples drawn from phase 1's data (so its skills are kept)
     locate_mix: float = 0.0  # share of the localisation block's examples drawn from phase 1's data (likewise)
     vision_pretrain_steps: int = 0  # phase 0: the vision tower learns to read zoomed emblems (mars.train.vision)
@@ -211,6 +219,15 @@ class Params:
                              f"{self.locate_target}")
         if self.locate_check_scenes < 1:
             raise ValueError(f"sft.locate_check_scenes must be >= 1, got {self.locate_check_scenes}")
+        if not 0.0 <= self.pretrain_target <= 1.0:
+            raise ValueError(f"sft.pretrain_target must be in [0, 1] (0 = run all sft.pretrain_steps), got "
+                             f"{self.pretrain_target}")
+        if self.pretrain_target and not (self.pretrain_steps and self.pretrain_drills):
+            raise ValueError("sft.pretrain_target > 0 checks phase 1's copying on held-out reading drills: set "
+                             "sft.pretrain_steps and sft.pretrain_drills > 0, or sft.pretrain_target: 0")
+        if self.pretrain_check_drills < 1 or self.pretrain_check_from < 0:
+            raise ValueError(f"sft.pretrain_check_drills must be >= 1 and sft.pretrain_check_from >= 0, got "
+                             f"{self.pretrain_check_drills}, {self.pretrain_check_from}")
         if self.locate_steps and not self.pretrain_locate:
             raise ValueError("sft.locate_steps > 0 trains on the localisation drills: set sft.pretrain_locate > 0")
         if self.locate_steps:  # the vision drills are then the block's, not phase 1's
@@ -349,11 +366,31 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
 
 def drill_dialogues(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path, all_questions: list[dict],
                     scene: SceneConfig | None, system: str, attributes: Sequence[str] | None
-                    ) -> tuple[list[list[dict]], list[list[dict]]]:
-    """(phase 1's dialogues, the localisation block's): :func:`pretrain_dialogues` and
-    :func:`locate_block_dialogues`; a module-level function, so the stage can draw them in a second process."""
+                    ) -> tuple[list[list[dict]], list[list[dict]], list[list[dict]]]:
+    """(phase 1's dialogues, the localisation block's, phase 1's held-out check drills): :func:`pretrain_dialogues`,
+    :func:`locate_block_dialogues` and :func:`check_drills`; a module-level function, so the stage can draw them
+    in a second process."""
     return (pretrain_dialogues(params, agent, world_dir, index_dir, all_questions, scene, system),
-            locate_block_dialogues(params, scene, system, attributes))
+            locate_block_dialogues(params, scene, system, attributes),
+            check_drills(params, agent, world_dir, index_dir, all_questions))
+
+
+def check_drills(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path,
+                 all_questions: list[dict]) -> list[list[dict]]:
+    """Phase 1's held-out check drills (``pretrain_target`` > 0, else none): ``pretrain_check_drills`` reading
+    drills drawn as phase 1's (:func:`mars.synth.drills.reading_drills`, the same knobs and excluded entities) with
+    another seed, so their stand-in names are new to the model."""
+    if not params.pretrain_target:
+        return []
+    from mars.data.schemas import GALLERY
+    from mars.synth.drills import reading_drills
+
+    held_out = {q["entity_id"] for q in all_questions if q["split"] == "test" and q.get("entity_id")}
+    return reading_drills(agent.toolbox(index_dir, world_dir / "gallery"),
+                          read_table(world_dir / "entities.parquet", ENTITIES).to_pylist(),
+                          read_table(world_dir / "gallery.parquet", GALLERY).to_pylist(), world_dir / "gallery",
+                          n=params.pretrain_check_drills, seed=params.seed + 99, exclude_entities=held_out,
+                          chain_share=params.drill_chains, rename_from=params.drill_names)
 
 
 def locate_block_dialogues(params: Params, scene: SceneConfig | None = None, system: str | None = None,
@@ -448,7 +485,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     system = (system_prompt if agent.prompt == "full" else compact_system_prompt)(TOOL_SCHEMAS)
     attributes = asked_attributes(all_questions)  # the localisation drills ask what the questions ask
     drill_args = (params, agent, inputs["world_dir"], inputs["index_dir"], all_questions, scene, system, attributes)
-    pretrain, locate = [], []
+    pretrain, locate, held_out = [], [], []
 
     def play() -> tuple[list, dict]:
         return teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
@@ -465,7 +502,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
             drawn = drawer.apply_async(drill_dialogues, drill_args)
             trajs, stats = play()
             t0 = time.perf_counter()
-            pretrain, locate = drawn.get()
+            pretrain, locate, held_out = drawn.get()
             stats["drills_wait_s"] = round(time.perf_counter() - t0, 1)  # how long the drawing outlasted the teacher
     model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
     dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
@@ -496,17 +533,18 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
             _check_masks(block, tok)
             # the block keeps seeing phase 1's data: alone, its 600 steps erased the copying (README, Results)
             kept = _mix(pool, len(block), params.locate_mix, params.seed) if name == "locate" else []
-            check = locate_check(params, proc, scene, system, attributes) if name == "locate" else None
+            check = (locate_check(params, proc, scene, system, attributes) if name == "locate"
+                     else copy_check(params, proc, held_out))
             res = train_sft(model, block + kept, config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"] / name, live_dir=None,
                             fp=fingerprint(fp, name, len(block), len(kept)), until=check)
             pre_stats |= {f"{name}_examples": len(block), f"{name}_loss_first": res["loss_first"],
                           f"{name}_loss_final": res["loss_final"], f"{name}_tokens_per_s": res["tokens_per_s"],
                           f"{name}_steps_run": res["steps"]}
-            if check is not None:  # the held-out share of the weights phase 2 starts from
+            if check is not None:  # the held-out share of the phase's last weights
                 if not check.history or check.history[-1][0] != res["steps"]:  # ran to its ceiling, or restored
-                    check(model, res["steps"])
-                pre_stats[f"{name}_check_framed"] = check.history[-1][1]
+                    check.measure(model, res["steps"])
+                pre_stats[f"{name}_check_{check.metric}"] = check.history[-1][1]
             if kept:
                 pre_stats[f"{name}_mixed_examples"] = len(kept)
             pool += block
@@ -533,6 +571,17 @@ def locate_check(params: Params, proc, scene: SceneConfig, system: str, attribut
         return None
     return LocateCheck(proc, scene, n=params.locate_check_scenes, target=params.locate_target,
                        seed=params.seed + 99, system=system, attributes=attributes)
+
+
+def copy_check(params: Params, proc, drills: list[list[dict]]):
+    """Phase 1's stopping check (:class:`mars.synth.drills.CopyCheck`; None when ``pretrain_target`` is 0): the
+    share of the held-out ``drills`` (:func:`check_drills`) the greedy reply copies right, asked at the checkpoints
+    from step ``pretrain_check_from`` on."""
+    from mars.synth.drills import CopyCheck
+
+    if not params.pretrain_target:
+        return None
+    return CopyCheck(proc, drills, target=params.pretrain_target, min_step=params.pretrain_check_from)
 
 
 def trajectory_dialogues(params: Params, trajs: list, world_dir: Path) -> list[list[dict]]:

@@ -25,6 +25,10 @@ What it does
     held-out copy rate in 2,000 steps, and their own loss stayed high: the tiny model learns to copy a name of
     several tokens slowly, whatever the drill.
 
+    :class:`CopyCheck` (``sft.pretrain_target``): phase 1's stopping check, the share of held-out drills (drawn
+    with another seed) whose greedy reply does what the teacher's does (:func:`copied`: the same query, or the same
+    answer).
+
     The tools are called once per gallery rendering and per query (they are deterministic; the renaming makes
     every drill new), so thousands of drills cost little more than the distinct observations.
 
@@ -82,7 +86,8 @@ from mars.agent.teacher import fact_from_observation, titles_from_observation
 from mars.world.questions import FACT_QUESTIONS, FACTS, SEARCH_SUBJECT, question_text
 from mars.world.text import KINDS, entity_name, make_word
 
-__all__ = ["COPY_PROMPT", "RENAME_SOURCES", "copy_drills", "drill_kind", "reading_drills", "rename_dialogues"]
+__all__ = ["COPY_PROMPT", "RENAME_SOURCES", "CopyCheck", "copied", "copy_drills", "drill_kind", "reading_drills",
+           "rename_dialogues"]
 
 COPY_PROMPT = "Repeat these names in order:"
 RENAME_SOURCES = ("new", "world")
@@ -337,3 +342,48 @@ def drill_kind(dialogue: list[dict]) -> str:
         return "chain"
     return "title" if "<tool_call>" in dialogue[-1]["content"] else "fact"
 
+
+
+def copied(text: str, reference: str) -> bool:
+    """Whether a generated drill reply ``text`` does what the ``reference`` reply does: the same tool with the same
+    query (a title drill), or the same answer (a fact drill; case and surrounding space ignored). The thinking may
+    differ; a malformed turn is a miss."""
+    from mars.agent.protocol import parse_turn
+
+    got, ref = parse_turn(text), parse_turn(reference)
+    if not got.well_formed or got.action != ref.action:
+        return False
+    if ref.action == "tool_call":
+        return got.tool_name == ref.tool_name and got.arguments == ref.arguments
+    return (got.answer or "").strip().lower() == (ref.answer or "").strip().lower()
+
+
+class CopyCheck:
+    """Phase 1's stopping check (:func:`mars.train.sft.train_sft`'s ``until``): True once the model's greedy reply
+    to at least ``target`` (a share) of held-out ``drills`` (:func:`reading_drills` drawn with another seed: fresh
+    names, so nothing can be recalled) is :func:`copied` right. Not asked before ``min_step`` (it returns False
+    there without generating). ``history`` keeps (step, copied share) of every check it ran."""
+
+    metric = "copied"
+
+    def __init__(self, processor, drills: list[list[dict]], *, target: float, min_step: int = 0,
+                 max_new_tokens: int = 96) -> None:
+        if not drills or not 0.0 < target <= 1.0:
+            raise ValueError(f"a copy check needs held-out drills and 0 < target <= 1, got {len(drills)} drills, "
+                             f"target {target}")
+        self.processor, self.target, self.min_step, self.max_new_tokens = processor, target, min_step, max_new_tokens
+        self.prompts = [d[:-1] for d in drills]
+        self.references = [d[-1]["content"] for d in drills]
+        self.history: list[tuple[int, float]] = []
+
+    def measure(self, model, step: int) -> float:
+        """The share of the held-out drills ``model`` copies right (greedy), recorded in ``history`` for ``step``."""
+        from mars.agent.hf_backend import HFBackend
+
+        outs = HFBackend(model, self.processor).generate(self.prompts, max_new_tokens=self.max_new_tokens)
+        share = sum(copied(o.text, r) for o, r in zip(outs, self.references)) / len(self.prompts)
+        self.history.append((step, round(share, 4)))
+        return share
+
+    def __call__(self, model, step: int) -> bool:
+        return step >= self.min_step and self.measure(model, step) >= self.target

@@ -182,8 +182,14 @@ class LocateCheck:
         self.prompts, self.truth = held_out_drills(scene, n, seed, system, attributes)
         self.history: list[tuple[int, float]] = []
 
-    def __call__(self, model, step: int) -> bool:
+    metric = "framed"
+
+    def measure(self, model, step: int) -> float:
+        """The share of the held-out scenes ``model`` frames, recorded in ``history`` for ``step``."""
         share = framed_count(model, self.processor, self.scene, self.prompts, self.truth) / len(self.prompts)
         self.history.append((step, round(share, 4)))
-        return share >= self.target
+        return share
+
+    def __call__(self, model, step: int) -> bool:
+        return self.measure(model, step) >= self.target
 

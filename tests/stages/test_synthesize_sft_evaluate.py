@@ -385,13 +385,14 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     """A short run (4 steps of vision pre-training for reading and 4 for localisation, 8 pre-training steps on
     captions and reading drills, 8 steps of the vision block (localisation drills and zoom captions; its stopping
-    check asked at step 4), then 16 steps, a checkpoint every 4): SIGKILLed once a checkpoint of the last phase
+    check asked at step 4, as phase 1's copy check), then 16 steps, a checkpoint every 4): SIGKILLed once a checkpoint of the last phase
     exists, rerun, and compared with an uninterrupted in-process run of the same params (a short run keeps this test
     cheap), with length-grouped batches and chain drills."""
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
              "pretrain_drills": 16, "pretrain_locate": 8, "locate_steps": 8, "pretrain_zoom_captions": 4,
              "locate_target": 0.9, "locate_check_scenes": 8,
+             "pretrain_target": 0.99, "pretrain_check_drills": 4, "pretrain_check_from": 4,
              "mix_pretrain": 0.25, "locate_mix": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16,
              "vision_locate_steps": 4, "group_batches": 2, "drill_chains": 0.5, "vision_test_images": 24}
     params = write_params(tmp_path, "short", profile={"sft": short})
@@ -433,6 +434,11 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     assert m["mixed_pretrain_examples"] == straight_m["mixed_pretrain_examples"] == round(m["examples"] / 3)
     assert m["pretrain_loss_final"] == pytest.approx(straight_m["pretrain_loss_final"], abs=1e-6)
     assert (ckpt / "pretrain" / f"step-{fp.pretrain_steps:06d}").is_dir()
+    # phase 1's copy check was asked at step 4 (an 8-step model copies fewer than 99% of the 4 held-out drills), so
+    # it ran all 8 steps; the share reported is its last weights', the same after the rerun restored them
+    assert m["pretrain_steps_run"] == straight_m["pretrain_steps_run"] == 8
+    assert 0.0 <= straight_m["pretrain_check_copied"] <= 1.0
+    assert m["pretrain_check_copied"] == straight_m["pretrain_check_copied"]
     # phase 0 (vision pre-training) too, before them all
     assert m["vision_pretrain_loss_final"] == pytest.approx(straight_m["vision_pretrain_loss_final"], abs=1e-6)
     assert (ckpt / "vision" / f"step-{fp.vision_pretrain_steps:06d}").is_dir()

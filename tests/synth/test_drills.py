@@ -10,7 +10,9 @@ from mars.agent.engine import EngineConfig, run_episodes
 from mars.agent.oracle import oracle_policy, scripted_backend
 from mars.agent.protocol import parse_turn
 from mars.agent.teacher import titles_from_observation
-from mars.synth.drills import COPY_PROMPT, copy_drills, drill_kind, reading_drills, rename_dialogues
+from mars.agent.protocol import format_answer, format_tool_call
+from mars.synth.drills import (COPY_PROMPT, CopyCheck, copied, copy_drills, drill_kind, reading_drills,
+                               rename_dialogues)
 from mars.world.text import KINDS
 from tests.agent.test_oracle import smoke  # noqa: F401  (module fixture: smoke world, questions, tools)
 
@@ -251,3 +253,33 @@ def test_renamed_trajectories_keep_every_copy_and_show_no_real_name(smoke):  # n
     assert dump(rename_dialogues(dialogues, entities, seed=1)) != dump(renamed)
     with pytest.raises(ValueError, match="rename_from must be one of"):
         rename_dialogues(dialogues, entities, rename_from="pool")
+
+
+def test_copied_compares_the_action_not_the_thinking():
+    title = format_tool_call("text_search", {"query": "Zorvan Museum founder"}, "Top match: Zorvan Museum. Search.")
+    assert copied(format_tool_call("text_search", {"query": "Zorvan Museum founder"}, "other words"), title)
+    assert not copied(format_tool_call("text_search", {"query": "Zorvan Musem founder"}, "Top match"), title)
+    assert not copied(format_tool_call("image_search", {"img_idx": 0}, "Top match"), title)
+    assert not copied(format_answer("Zorvan Museum founder", "Top match"), title)
+    fact = format_answer("Ilma Tarso", "The snippet about Zorvan Museum gives Ilma Tarso.")
+    assert copied(format_answer(" ilma tarso", "I read it."), fact)  # case and surrounding space ignored
+    assert not copied(format_answer("Ilma Tars", "I read it."), fact)
+    assert not copied("<answer>Ilma Tarso</answer>", fact)  # no thinking: malformed, a miss
+    assert not copied("", fact)
+
+
+def test_copy_check_asks_from_its_first_step_and_keeps_every_share(smoke):  # noqa: F811
+    from tests.model.test_model import tiny_stack
+
+    _, proc, model = tiny_stack()
+    drills = reading_drills(**_args(smoke, n=5, seed=9))
+    check = CopyCheck(proc, drills, target=0.5, min_step=4, max_new_tokens=24)
+    assert [p for p in check.prompts] == [d[:1] for d in drills]  # the user turn, without the reply
+    assert check(model, 2) is False and check.history == []  # before min_step: not asked, nothing generated
+    # a random-init model writes no well-formed copy of any of the 5 replies: share 0, below the target
+    assert check(model, 4) is False and check.history == [(4, 0.0)]
+    assert check.measure(model, 3) == 0.0 and check.history[-1] == (3, 0.0)  # measure: always asked
+    with pytest.raises(ValueError, match="a copy check needs held-out drills and 0 < target <= 1"):
+        CopyCheck(proc, [], target=0.5)
+    with pytest.raises(ValueError, match="a copy check needs"):
+        CopyCheck(proc, drills, target=0.0)

@@ -231,3 +231,25 @@ def test_locate_target_makes_the_block_stop_at_a_held_out_check():
         Params(locate_target=1.5)
     with pytest.raises(ValueError, match="sft.locate_check_scenes must be >= 1"):
         Params(locate_check_scenes=0)
+
+
+def test_pretrain_target_gives_phase_one_a_copy_check():
+    """``pretrain_target`` > 0 gives phase 1 a :class:`mars.synth.drills.CopyCheck` over the held-out drills, asked
+    from ``pretrain_check_from``; 0 gives none; knobs that cannot work are errors."""
+    from mars.synth.drills import CopyCheck
+    from stages.sft import copy_check
+    from tests.model.test_model import tiny_stack
+
+    _, proc, _ = tiny_stack()
+    drills = [[{"role": "user", "content": [{"type": "text", "text": "q"}]},
+               {"role": "assistant", "content": "<think>t</think><answer>a</answer>"}]] * 3
+    p = Params(pretrain_steps=10, pretrain_drills=4, pretrain_target=0.8, pretrain_check_from=6)
+    check = copy_check(p, proc, drills)
+    assert isinstance(check, CopyCheck) and (len(check.prompts), check.target, check.min_step) == (3, 0.8, 6)
+    assert copy_check(Params(pretrain_steps=10, pretrain_drills=4), proc, drills) is None
+    with pytest.raises(ValueError, match=r"sft.pretrain_target must be in \[0, 1\]"):
+        Params(pretrain_steps=10, pretrain_drills=4, pretrain_target=1.5)
+    with pytest.raises(ValueError, match="sft.pretrain_target > 0 checks phase 1's copying"):
+        Params(pretrain_steps=10, pretrain_captions=4, pretrain_target=0.5)
+    with pytest.raises(ValueError, match="sft.pretrain_check_drills must be >= 1"):
+        Params(pretrain_steps=10, pretrain_drills=4, pretrain_target=0.5, pretrain_check_drills=0)

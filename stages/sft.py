@@ -118,6 +118,7 @@ class Params:
     locate_target: float = 0.0  # > 0: the block stops once its first zoom frames this share of held-out scenes
     locate_check_scenes: int = 40  # the held-out scenes of that check (asked at every checkpoint)
     pretrain_target: float = 0.0  # > 0: phase 1 stops once its greedy replies copy this share of held-out drills
+    #                               (0: they are only scored after phase 1: pretrain_check_copied in the metrics)
     pretrain_check_drills: int = 60  # the held-out reading drills of that check (another seed: fresh names)
     pretrain_check_from: int = 0  # the check is asked at the checkpoints from this phase-1 step on
     mix_pretrain: float = 0.0  # share of phase 2's examples drawn from phase 1's data (so its skills are kept)
@@ -222,11 +223,11 @@ class Params:
         if not 0.0 <= self.pretrain_target <= 1.0:
             raise ValueError(f"sft.pretrain_target must be in [0, 1] (0 = run all sft.pretrain_steps), got "
                              f"{self.pretrain_target}")
-        if self.pretrain_target and not (self.pretrain_steps and self.pretrain_drills):
+        if self.pretrain_target and not (self.pretrain_steps and self.pretrain_drills and self.pretrain_check_drills):
             raise ValueError("sft.pretrain_target > 0 checks phase 1's copying on held-out reading drills: set "
                              "sft.pretrain_steps and sft.pretrain_drills > 0, or sft.pretrain_target: 0")
-        if self.pretrain_check_drills < 1 or self.pretrain_check_from < 0:
-            raise ValueError(f"sft.pretrain_check_drills must be >= 1 and sft.pretrain_check_from >= 0, got "
+        if self.pretrain_check_drills < 0 or self.pretrain_check_from < 0:
+            raise ValueError(f"sft.pretrain_check_drills and sft.pretrain_check_from must be >= 0, got "
                              f"{self.pretrain_check_drills}, {self.pretrain_check_from}")
         if self.locate_steps and not self.pretrain_locate:
             raise ValueError("sft.locate_steps > 0 trains on the localisation drills: set sft.pretrain_locate > 0")
@@ -348,16 +349,15 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
     _check_scene(params, scene)
     from mars.data.schemas import GALLERY
     from mars.synth.captions import caption_dialogues
-    from mars.synth.drills import copy_drills, reading_drills
+    from mars.synth.drills import copy_drills
 
-    held_out = {q["entity_id"] for q in all_questions if q["split"] == "test" and q.get("entity_id")}
+    held_out = _test_entities(all_questions)
     gallery = read_table(world_dir / "gallery.parquet", GALLERY).to_pylist()
     entities = read_table(world_dir / "entities.parquet", ENTITIES).to_pylist()
     captions = caption_dialogues(gallery, entities, world_dir / "gallery", n=params.pretrain_captions,
                                  seed=params.seed, exclude_entities=held_out)
-    drills = reading_drills(agent.toolbox(index_dir, world_dir / "gallery"), entities, gallery, world_dir / "gallery",
-                            n=params.pretrain_drills, seed=params.seed, exclude_entities=held_out,
-                            chain_share=params.drill_chains, rename_from=params.drill_names)
+    drills = _reading_drills(params, agent, world_dir, index_dir, entities, gallery, held_out,
+                             n=params.pretrain_drills, seed=params.seed)
     drills += copy_drills(entities, n=params.pretrain_copy, seed=params.seed, rename_from=params.drill_names)
     if params.locate_steps or scene is None:
         return captions + drills
@@ -377,20 +377,32 @@ def drill_dialogues(params: Params, agent: AgentParams, world_dir: Path, index_d
 
 def check_drills(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path,
                  all_questions: list[dict]) -> list[list[dict]]:
-    """Phase 1's held-out check drills (``pretrain_target`` > 0, else none): ``pretrain_check_drills`` reading
+    """Phase 1's held-out check drills (none without phase 1's reading drills): ``pretrain_check_drills`` reading
     drills drawn as phase 1's (:func:`mars.synth.drills.reading_drills`, the same knobs and excluded entities) with
     another seed, so their stand-in names are new to the model."""
-    if not params.pretrain_target:
+    if not (params.pretrain_steps and params.pretrain_drills and params.pretrain_check_drills):
         return []
     from mars.data.schemas import GALLERY
+
+    entities = read_table(world_dir / "entities.parquet", ENTITIES).to_pylist()
+    gallery = read_table(world_dir / "gallery.parquet", GALLERY).to_pylist()
+    return _reading_drills(params, agent, world_dir, index_dir, entities, gallery, _test_entities(all_questions),
+                           n=params.pretrain_check_drills, seed=params.seed + 99)
+
+
+def _test_entities(questions: list[dict]) -> set[str]:
+    """The entities of the test split's questions (no drill or caption is about one)."""
+    return {q["entity_id"] for q in questions if q["split"] == "test" and q.get("entity_id")}
+
+
+def _reading_drills(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path, entities: list[dict],
+                    gallery: list[dict], held_out: set[str], *, n: int, seed: int) -> list[list[dict]]:
+    """``n`` reading drills (:func:`mars.synth.drills.reading_drills`) with the params' chain share and names."""
     from mars.synth.drills import reading_drills
 
-    held_out = {q["entity_id"] for q in all_questions if q["split"] == "test" and q.get("entity_id")}
-    return reading_drills(agent.toolbox(index_dir, world_dir / "gallery"),
-                          read_table(world_dir / "entities.parquet", ENTITIES).to_pylist(),
-                          read_table(world_dir / "gallery.parquet", GALLERY).to_pylist(), world_dir / "gallery",
-                          n=params.pretrain_check_drills, seed=params.seed + 99, exclude_entities=held_out,
-                          chain_share=params.drill_chains, rename_from=params.drill_names)
+    return reading_drills(agent.toolbox(index_dir, world_dir / "gallery"), entities, gallery, world_dir / "gallery",
+                          n=n, seed=seed, exclude_entities=held_out, chain_share=params.drill_chains,
+                          rename_from=params.drill_names)
 
 
 def locate_block_dialogues(params: Params, scene: SceneConfig | None = None, system: str | None = None,
@@ -545,6 +557,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                 if not check.history or check.history[-1][0] != res["steps"]:  # ran to its ceiling, or restored
                     check.measure(model, res["steps"])
                 pre_stats[f"{name}_check_{check.metric}"] = check.history[-1][1]
+                log.info("%s check (step, share %s): %s", name, check.metric, check.history)
             if kept:
                 pre_stats[f"{name}_mixed_examples"] = len(kept)
             pool += block
@@ -574,12 +587,12 @@ def locate_check(params: Params, proc, scene: SceneConfig, system: str, attribut
 
 
 def copy_check(params: Params, proc, drills: list[list[dict]]):
-    """Phase 1's stopping check (:class:`mars.synth.drills.CopyCheck`; None when ``pretrain_target`` is 0): the
-    share of the held-out ``drills`` (:func:`check_drills`) the greedy reply copies right, asked at the checkpoints
-    from step ``pretrain_check_from`` on."""
+    """Phase 1's check (:class:`mars.synth.drills.CopyCheck`; None without held-out ``drills``,
+    :func:`check_drills`): the share of them the greedy reply copies right, asked at the checkpoints from step
+    ``pretrain_check_from`` on when ``pretrain_target`` > 0 (a stopping check), else only scored after phase 1."""
     from mars.synth.drills import CopyCheck
 
-    if not params.pretrain_target:
+    if not drills:
         return None
     return CopyCheck(proc, drills, target=params.pretrain_target, min_step=params.pretrain_check_from)
 

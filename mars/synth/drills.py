@@ -361,15 +361,16 @@ def copied(text: str, reference: str) -> bool:
 class CopyCheck:
     """Phase 1's stopping check (:func:`mars.train.sft.train_sft`'s ``until``): True once the model's greedy reply
     to at least ``target`` (a share) of held-out ``drills`` (:func:`reading_drills` drawn with another seed: fresh
-    names, so nothing can be recalled) is :func:`copied` right. Not asked before ``min_step`` (it returns False
-    there without generating). ``history`` keeps (step, copied share) of every check it ran."""
+    names, so nothing can be recalled) is :func:`copied` right. Not asked before ``min_step``, nor ever with
+    ``target`` 0 (it returns False there without generating; :meth:`measure` still scores the model). ``history``
+    keeps (step, copied share) of every check it ran."""
 
     metric = "copied"
 
     def __init__(self, processor, drills: list[list[dict]], *, target: float, min_step: int = 0,
                  max_new_tokens: int = 96) -> None:
-        if not drills or not 0.0 < target <= 1.0:
-            raise ValueError(f"a copy check needs held-out drills and 0 < target <= 1, got {len(drills)} drills, "
+        if not drills or not 0.0 <= target <= 1.0:
+            raise ValueError(f"a copy check needs held-out drills and 0 <= target <= 1, got {len(drills)} drills, "
                              f"target {target}")
         self.processor, self.target, self.min_step, self.max_new_tokens = processor, target, min_step, max_new_tokens
         self.prompts = [d[:-1] for d in drills]
@@ -386,4 +387,4 @@ class CopyCheck:
         return share
 
     def __call__(self, model, step: int) -> bool:
-        return step >= self.min_step and self.measure(model, step) >= self.target
+        return bool(self.target) and step >= self.min_step and self.measure(model, step) >= self.target

@@ -234,8 +234,9 @@ def test_locate_target_makes_the_block_stop_at_a_held_out_check():
 
 
 def test_pretrain_target_gives_phase_one_a_copy_check():
-    """``pretrain_target`` > 0 gives phase 1 a :class:`mars.synth.drills.CopyCheck` over the held-out drills, asked
-    from ``pretrain_check_from``; 0 gives none; knobs that cannot work are errors."""
+    """Phase 1's held-out drills get a :class:`mars.synth.drills.CopyCheck`: with ``pretrain_target`` > 0 a stopping
+    check asked from ``pretrain_check_from``, with 0 one that is never asked during training (the stage scores the
+    last weights with it); no drills, no check; knobs that cannot work are errors."""
     from mars.synth.drills import CopyCheck
     from stages.sft import copy_check
     from tests.model.test_model import tiny_stack
@@ -246,10 +247,14 @@ def test_pretrain_target_gives_phase_one_a_copy_check():
     p = Params(pretrain_steps=10, pretrain_drills=4, pretrain_target=0.8, pretrain_check_from=6)
     check = copy_check(p, proc, drills)
     assert isinstance(check, CopyCheck) and (len(check.prompts), check.target, check.min_step) == (3, 0.8, 6)
-    assert copy_check(Params(pretrain_steps=10, pretrain_drills=4), proc, drills) is None
+    scored = copy_check(Params(pretrain_steps=10, pretrain_drills=4), proc, drills)
+    assert scored.target == 0.0 and scored(None, 100) is False and scored.history == []  # never asked: no model needed
+    assert copy_check(p, proc, []) is None
     with pytest.raises(ValueError, match=r"sft.pretrain_target must be in \[0, 1\]"):
         Params(pretrain_steps=10, pretrain_drills=4, pretrain_target=1.5)
     with pytest.raises(ValueError, match="sft.pretrain_target > 0 checks phase 1's copying"):
         Params(pretrain_steps=10, pretrain_captions=4, pretrain_target=0.5)
-    with pytest.raises(ValueError, match="sft.pretrain_check_drills must be >= 1"):
+    with pytest.raises(ValueError, match="sft.pretrain_target > 0 checks phase 1's copying"):
         Params(pretrain_steps=10, pretrain_drills=4, pretrain_target=0.5, pretrain_check_drills=0)
+    with pytest.raises(ValueError, match="sft.pretrain_check_drills and sft.pretrain_check_from must be >= 0"):
+        Params(pretrain_steps=10, pretrain_drills=4, pretrain_check_from=-1)

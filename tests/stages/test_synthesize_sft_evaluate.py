@@ -219,6 +219,8 @@ def test_sft_loss_trajectories_and_masks(trained):
     assert m["steps"] == b.fp.max_steps and m["resumed_from"] == 0
     assert m["loss_final"] < 0.1 * m["loss_first"], m
     assert m["loss_final"] < LOSS_FINAL_MAX, m
+    # phase 1 ran all its steps (no pretrain_target) and its last weights were scored on the held-out drills
+    assert m["pretrain_steps_run"] == b.fp.pretrain_steps and 0.0 <= m["pretrain_check_copied"] <= 1.0
     traj = pq.read_table(b.tmp / "sft/trajectories.parquet").to_pylist()
     assert len(traj) == m["trajectories"] == m["examples"] and 0 < len(traj) <= b.fp.n_trajectories
     assert all(t["correct"] and t["finish_reason"] == "answer" and t["reward_format"] > 0 for t in traj)

@@ -343,7 +343,6 @@ def drill_kind(dialogue: list[dict]) -> str:
     return "title" if "<tool_call>" in dialogue[-1]["content"] else "fact"
 
 
-
 def copied(text: str, reference: str) -> bool:
     """Whether a generated drill reply ``text`` does what the ``reference`` reply does: the same tool with the same
     query (a title drill), or the same answer (a fact drill; case and surrounding space ignored). The thinking may

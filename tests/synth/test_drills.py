@@ -8,9 +8,8 @@ import pytest
 
 from mars.agent.engine import EngineConfig, run_episodes
 from mars.agent.oracle import oracle_policy, scripted_backend
-from mars.agent.protocol import parse_turn
+from mars.agent.protocol import format_answer, format_tool_call, parse_turn
 from mars.agent.teacher import titles_from_observation
-from mars.agent.protocol import format_answer, format_tool_call
 from mars.synth.drills import (COPY_PROMPT, CopyCheck, copied, copy_drills, drill_kind, reading_drills,
                                rename_dialogues)
 from mars.world.text import KINDS
@@ -274,7 +273,7 @@ def test_copy_check_asks_from_its_first_step_and_keeps_every_share(smoke):  # no
     _, proc, model = tiny_stack()
     drills = reading_drills(**_args(smoke, n=5, seed=9))
     check = CopyCheck(proc, drills, target=0.5, min_step=4, max_new_tokens=24)
-    assert [p for p in check.prompts] == [d[:1] for d in drills]  # the user turn, without the reply
+    assert check.prompts == [d[:1] for d in drills]  # the user turn, without the reply
     assert check(model, 2) is False and check.history == []  # before min_step: not asked, nothing generated
     # a random-init model writes no well-formed copy of any of the 5 replies: share 0, below the target
     assert check(model, 4) is False and check.history == [(4, 0.0)]

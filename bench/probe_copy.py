@@ -18,6 +18,12 @@ What it measures
     answer), and the answer's form right (a letter for a multiple-choice question, no letter for an open one).
     The teacher's own answer turns score 100% on all three by construction.
 
+    With ``--types perception`` the same three contexts score the read of the zoom given a right first zoom: the
+    teacher's episode is the question image, its zoom on the framed zone and the crop, so ``episode`` against ``no
+    images`` separates reading the crop from guessing a likely value (session 22, README: run P1's SFT model wrote
+    the asked colour in 24 of 40 such episodes, 8 of 40 without the images, while its own first zoom framed the
+    target in 25% of the test scenes).
+
 Not a speed benchmark: the numbers are shares of episodes (deterministic for a checkpoint and split).
 
 Run (in a pipeline's working directory, after ``dvc repro`` reached sft)::
@@ -25,6 +31,8 @@ Run (in a pipeline's working directory, after ``dvc repro`` reached sft)::
     python bench/probe_copy.py --model data/sft/model
     # the same for phase 1's last checkpoint (weights from a training state.pt, the model's tokenizer):
     python bench/probe_copy.py --model data/sft/model --state data/sft_ckpt/pretrain/step-002000/state.pt
+    # perception: the answer turn after the teacher's (right) zoom
+    python bench/probe_copy.py --model data/sft/model --types perception
 """
 
 from __future__ import annotations
@@ -90,19 +98,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index-dir", type=Path, default=Path("data/index"))
     ap.add_argument("--split", default="test")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--types", nargs="+", choices=("perception", "search", "multi-hop"),
+                    default=["search", "multi-hop"],
+                    help="question types probed (perception: the answer turn after the teacher's zoom on the frame, "
+                         "so the read is scored given a right first zoom)")
     args = ap.parse_args(argv)
 
     params = load_params("sft", S.Params, args.params)
     agent = load_params("agent", AgentParams, args.params)
     qs = [q for q in read_table(args.questions, QUESTIONS).to_pylist()
-          if q["split"] == args.split and q["type"] in ("search", "multi-hop")]
+          if q["split"] == args.split and q["type"] in args.types]
+    kinds = " and ".join(args.types)
     if not qs:
-        raise SystemExit(f"{args.questions}: no search or multi-hop questions in split {args.split!r}")
+        raise SystemExit(f"{args.questions}: no {kinds} questions in split {args.split!r}")
     t0 = time.perf_counter()
     teacher = dataclasses.replace(params, teacher_skill=1.0, n_trajectories=len(qs))
     trajs, _ = S.teacher_trajectories(teacher, agent, qs, args.image_root, args.world_dir, args.index_dir)
     by_id = {q["question_id"]: q for q in qs}
-    print(f"teacher: {len(trajs)} of {len(qs)} {args.split} search and multi-hop questions answered right "
+    print(f"teacher: {len(trajs)} of {len(qs)} {args.split} {kinds} questions answered right "
           f"({time.perf_counter() - t0:.0f} s)")
     model, _, proc = load_checkpoint(args.model)
     n = len(trajs)

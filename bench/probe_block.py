@@ -10,6 +10,11 @@ What it measures
     the zoom's cell (:func:`mars.synth.locate.zoom_cell`) against the teacher's. Baselines in the same table:
     chance (one cell of the grid) and the teacher (every drill's reply, 100% by construction).
 
+With ``--read`` it also scores reading apart from finding: ``--n`` answered perception drills
+(:func:`mars.synth.locate.held_out_reads`: the teacher's right zoom and the crop of the framed emblem in the prompt)
+whose greedy answer is the teacher's; ``--attributes`` picks what they ask (the synthesize stage's
+``perception_attributes``; all by default).
+
 Finding (README, Results, session 13): run I's block checkpoint framed 37 of 80 and its SFT checkpoint 39: the
 block had missed the phase change, and phase 2 did not erase localisation; run G's agentic first zoom was 75 of 80.
 
@@ -17,6 +22,7 @@ Run (in a pipeline's working directory, after ``dvc repro`` reached sft)::
 
     python bench/probe_block.py --model data/sft/model \\
         --state data/sft_ckpt/locate/step-000600/state.pt --state data/sft_ckpt/step-000350/state.pt
+    python bench/probe_block.py --model data/sft/model --read --attributes colour
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mars.agent.protocol import compact_system_prompt  # noqa: E402
 from mars.model.build import load_checkpoint  # noqa: E402
 from mars.stage import load_section  # noqa: E402
-from mars.synth.locate import framed_count, held_out_drills  # noqa: E402
+from mars.synth.locate import framed_count, held_out_drills, held_out_reads, read_count  # noqa: E402
+from mars.world.questions import ATTRIBUTES  # noqa: E402
 from mars.tools.base import TOOL_SCHEMAS  # noqa: E402
 from mars.train.checkpoint import load_model_weights  # noqa: E402
 from stages.world import Params as WorldParams  # noqa: E402
@@ -46,24 +53,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", default="params.yaml", help="the params file whose world section drew the scenes")
     ap.add_argument("--n", type=int, default=80, help="held-out drills")
     ap.add_argument("--seed", type=int, default=99, help="drill seed (training uses sft.seed)")
+    ap.add_argument("--read", action="store_true", help="also score the answer after the teacher's right zoom")
+    ap.add_argument("--attributes", nargs="+", choices=sorted(ATTRIBUTES), default=None,
+                    help="what the drills' perception questions ask (default: every attribute)")
     ns = ap.parse_args(argv)
     for path in [ns.model, *ns.state]:
         if not Path(path).exists():
             ap.error(f"{path}: not found (run `dvc repro` up to the sft stage, or pass an existing path)")
     scene = world_spec(load_section("world", WorldParams, ["--params", ns.params])).scene_config()
-    drills, truth = held_out_drills(scene, ns.n, ns.seed, compact_system_prompt(TOOL_SCHEMAS))
+    system = compact_system_prompt(TOOL_SCHEMAS)
+    drills, truth = held_out_drills(scene, ns.n, ns.seed, system, ns.attributes)
+    reads, answers = held_out_reads(scene, ns.n, ns.seed, system, ns.attributes) if ns.read else ([], [])
     model, _, proc = load_checkpoint(ns.model)
-    rows = [("chance (one cell)", ns.n / (scene.grid_rows * scene.grid_cols), 0.0),
-            ("teacher", float(sum(t is not None for t in truth)), 0.0)]
+    rows = [("chance (one cell)", ns.n / (scene.grid_rows * scene.grid_cols), None, 0.0),
+            ("teacher", float(sum(t is not None for t in truth)), float(ns.n) if ns.read else None, 0.0)]
     for label, state in [(ns.model, None), *[(s, s) for s in ns.state]]:
         if state is not None:
             load_model_weights(model, state)
         t0 = time.perf_counter()
-        rows.append((label, float(framed_count(model, proc, scene, drills, truth)), time.perf_counter() - t0))
-    print(f"held-out localisation drills: {ns.n} new scenes (seed {ns.seed}), grid {scene.grid_rows}x{scene.grid_cols}")
-    print(f"{'checkpoint':60s} {'framed':>7s} {'share':>6s} {'x chance':>8s} {'s':>5s}")
-    for label, hits, secs in rows:
-        print(f"{label[-60:]:60s} {hits:7.1f} {hits / ns.n:6.1%} {hits / rows[0][1]:8.2f} {secs:5.0f}")
+        framed = float(framed_count(model, proc, scene, drills, truth))
+        read = float(read_count(model, proc, reads, answers)) if ns.read else None
+        rows.append((label, framed, read, time.perf_counter() - t0))
+    print(f"held-out localisation drills: {ns.n} new scenes (seed {ns.seed}), grid {scene.grid_rows}x{scene.grid_cols}"
+          + (f"; {ns.n} answered perception drills (read)" if ns.read else ""))
+    print(f"{'checkpoint':60s} {'framed':>7s} {'share':>6s} {'x chance':>8s} {'read':>6s} {'s':>5s}")
+    for label, hits, read, secs in rows:
+        shown = "-" if read is None else f"{read / ns.n:.1%}"
+        print(f"{label[-60:]:60s} {hits:7.1f} {hits / ns.n:6.1%} {hits / rows[0][1]:8.2f} {shown:>6s} {secs:5.0f}")
     return 0
 
 

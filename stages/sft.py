@@ -27,7 +27,8 @@ What it does
        over real tool outputs (:mod:`mars.synth.drills`: copy a fact from a snippet, copy the top image-search title
        into a query), about entities of no test question, optional pure copy drills (``pretrain_copy``),
        localisation drills (:mod:`mars.synth.locate`: the first zoom on freshly drawn scenes with the world's grid
-       and frame; ``pretrain_locate``) and zoom captions (:func:`mars.synth.captions.zoom_captions`: read a new
+       and frame; ``pretrain_locate``; with ``locate_answers`` > 0 that share of the perception ones go on to the
+       crop and the answer) and zoom captions (:func:`mars.synth.captions.zoom_captions`: read a new
        emblem at a zoom's scale). These stand in for the base model's pre-training (a random-init tiny model cannot
        read emblems or copy names from its context, and the multimodal trajectories are too costly per step to teach
        it); checkpoints in ``--checkpoints``/pretrain. With ``locate_steps`` > 0 the vision drills (localisation
@@ -115,6 +116,7 @@ class Params:
     trajectory_names: str = "real"  # phase 2's names: real | new | world (mars.synth.drills.rename_dialogues)
     pretrain_locate: int = 0  # localisation drills: zoom on the red frame of a freshly drawn scene (mars.synth.locate)
     pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
+    locate_answers: float = 0.0  # share of the perception localisation drills that go on to the crop and answer
     locate_steps: int = 0  # > 0: the pretrain_locate drills get a block of their own, these steps after phase 1
     locate_target: float = 0.0  # > 0: the block stops once its first zoom frames this share of held-out scenes
     locate_check_scenes: int = 40  # the held-out scenes of that check (asked at every checkpoint)
@@ -211,6 +213,8 @@ class Params:
                                  f"{self.vision_pretrain_images}")
         if not 0.0 <= self.drill_chains <= 1.0:
             raise ValueError(f"sft.drill_chains must be in [0, 1], got {self.drill_chains}")
+        if not 0.0 <= self.locate_answers <= 1.0:
+            raise ValueError(f"sft.locate_answers must be in [0, 1], got {self.locate_answers}")
         for k in ("mix_pretrain", "locate_mix"):
             if not 0.0 <= getattr(self, k) < 1.0:
                 raise ValueError(f"sft.{k} must be in [0, 1), got {getattr(self, k)}")
@@ -426,7 +430,8 @@ def vision_drills(params: Params, scene: SceneConfig, system: str | None = None,
     from mars.synth.captions import zoom_captions
     from mars.synth.locate import locate_dialogues
 
-    return (locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system, attributes=attributes)
+    return (locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system, attributes=attributes,
+                             answer_share=params.locate_answers)
             + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed, attributes=attributes))
 
 

@@ -9,8 +9,12 @@ What it does
     teacher's first move, ``image_zoom_in`` on the framed cell's target zone
     (:func:`mars.agent.oracle.zone_zoom_box`) with one of the teacher's ``<think>`` wordings for the question's
     type and its zoom label (:data:`mars.agent.teacher.ZOOM_LABEL`: the plan, answer or search, is stated before
-    the zoom, as the teacher does). Nothing after the zoom is written: the drill teaches where to look, and the
-    agentic trajectories teach the rest.
+    the zoom, as the teacher does). By default nothing after the zoom is written: the drill teaches where to look,
+    and the agentic trajectories teach the rest. With ``answer_share`` > 0 (``sft.locate_answers``) that share of
+    the perception drills are whole perception episodes: the zoom's observation as the zoom tool words it
+    (:func:`mars.tools.toolbox.zoom_text`) with a crop of the framed emblem drawn at a zoom's scale
+    (:func:`mars.synth.captions.zoom_crop`; the drawn scene is too small to crop it from) and the teacher's answer,
+    the target's own value, so localisation and reading are practised in the episode's own context.
 
 Deviation from the paper (and why)
     The paper's Qwen2.5-VL already localises a described region. The embedded default's vision tower is random-init
@@ -47,11 +51,11 @@ from mars.agent.protocol import format_tool_call
 from mars.agent.teacher import THINK, ZOOM_LABEL, asked_word
 from mars.world.emblems import random_emblem
 from mars.world.questions import (ATTRIBUTES, FACT_QUESTIONS, FACTS, FRAMED_SUBJECT, MULTIHOP_SUBJECT,
-                                  PERCEPTION_QUESTIONS, check_attributes, question_text)
+                                  PERCEPTION_QUESTIONS, attribute_value, check_attributes, question_text)
 from mars.world.scenes import SceneConfig, render_scene, scene_size
 
-__all__ = ["LOCATE_LONG_SIDE", "LocateCheck", "framed_count", "held_out_drills", "locate_dialogues", "located_cell",
-           "zoom_cell", "zooms_on_scene"]
+__all__ = ["LOCATE_LONG_SIDE", "LocateCheck", "framed_count", "held_out_drills", "held_out_reads", "locate_dialogues",
+           "located_cell", "read_count", "zoom_cell", "zooms_on_scene"]
 
 LOCATE_LONG_SIDE = (448, 672)  # scenes are drawn at about twice the policy's 224-px view (a 4K scene costs 50x)
 _EMBLEM_POOL = 64  # random emblems the drawn scenes pick from (clutter for the cue; their identity is never asked)
@@ -67,8 +71,13 @@ def locate_dialogues(
     perception_share: float = 0.5,
     long_side: tuple[int, int] = LOCATE_LONG_SIDE,
     attributes: Sequence[str] | None = None,
+    answer_share: float = 0.0,
 ) -> list[list[dict]]:
     """``n`` dialogues ``[system?, user: scene + question, assistant: the zoom call]``; see the module docstring.
+    With ``answer_share`` > 0 that share of the perception drills (asking an attribute the target emblem has) go on
+    to the zoom's observation (the toolbox's text and a crop of the target emblem at a zoom's scale,
+    :func:`mars.synth.captions.zoom_crop`) and the teacher's answer turn: whole perception episodes on new scenes
+    (the question then asks about the target's real value). The scenes and questions drawn do not depend on it.
 
     ``scene``: the world's scene knobs (:meth:`mars.world.generate.WorldSpec.scene_config`); its long-side bounds
     are replaced by ``long_side``. ``system``: the episodes' system prompt, so the drill's context matches theirs.
@@ -78,11 +87,13 @@ def locate_dialogues(
     if n < 0:
         raise ValueError(f"the number of localisation drills must be >= 0, got {n}")
     attributes = check_attributes(attributes)
-    if not (0.0 <= mcq_share <= 1.0 and 0.0 <= perception_share <= 1.0):
-        raise ValueError(f"mcq_share and perception_share must be in [0, 1], got {mcq_share}, {perception_share}")
+    if not (0.0 <= mcq_share <= 1.0 and 0.0 <= perception_share <= 1.0 and 0.0 <= answer_share <= 1.0):
+        raise ValueError(f"mcq_share, perception_share and answer_share must be in [0, 1], got {mcq_share}, "
+                         f"{perception_share}, {answer_share}")
     if n == 0:
         return []
     rng = np.random.default_rng([seed, 41])
+    answer_rng = np.random.default_rng([seed, 47])  # its own stream: the drawn scenes do not depend on answer_share
     pool = [random_emblem(rng) for _ in range(max(_EMBLEM_POOL, scene.emblems_max))]
     years = [str(y) for y in range(1700, 2021)]
     out: list[list[dict]] = []
@@ -91,12 +102,24 @@ def locate_dialogues(
         image, info = render_scene(rng, scene, pool, size=size)
         mcq = bool(rng.random() < mcq_share)
         qtype = "perception" if rng.random() < perception_share else "multi-hop"
+        answered = None  # (attribute, its value on the target emblem, choices) of a drill that goes on to answer
         if qtype == "perception":
             attr = attributes[int(rng.integers(len(attributes)))]
             values = list(ATTRIBUTES[attr])
             base = PERCEPTION_QUESTIONS[attr].format(subject=FRAMED_SUBJECT)
-            text, _, _ = question_text(base, attr, values[int(rng.integers(len(values)))], values,
-                                       rng if mcq else None)
+            value = values[int(rng.integers(len(values)))]
+            target = pool[next(p.entity_index for p in info.placements if p.is_target)]
+            has = [a for a in attributes if attribute_value(target, a) is not None]
+            answer = bool(answer_share and has and answer_rng.random() < answer_share)
+            if answer:
+                if attr not in has:  # the target has no glyph or no pattern: ask what it has
+                    attr = has[int(answer_rng.integers(len(has)))]
+                    values = list(ATTRIBUTES[attr])
+                    base = PERCEPTION_QUESTIONS[attr].format(subject=FRAMED_SUBJECT)
+                value = attribute_value(target, attr)
+            text, choices, _ = question_text(base, attr, value, values, rng if mcq else None)
+            if answer:
+                answered = (attr, value, choices)
         else:  # the options of a multi-hop question are never read before the zoom: years stand in for them
             fact = FACTS[int(rng.integers(len(FACTS)))]
             values = years
@@ -116,8 +139,32 @@ def locate_dialogues(
             {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]},
             {"role": "assistant", "content": reply},
         ]
+        if answered is not None:
+            dialogue += _answer_turns(scene, answered, target, zone_zoom_box(truth), answer_rng)
         out.append(dialogue)
     return out
+
+
+def _answer_turns(scene: SceneConfig, answered: tuple, target: dict, box: list[int],
+                  rng: np.random.Generator) -> list[dict]:
+    """The zoom's observation (the toolbox's text, a crop of the ``target`` emblem at a zoom on ``scene``'s
+    target zone) and the teacher's answer turn for a perception drill asking ``answered`` (attribute, value,
+    choices)."""
+    from mars.agent.oracle import _final
+    from mars.agent.protocol import format_tool_response
+    from mars.synth.captions import zoom_crop
+    from mars.tools.toolbox import zoom_text
+
+    attr, value, choices = answered
+    crop, _ = zoom_crop(scene, rng, spec=target)
+    wordings = THINK["answer_attr"]
+    think = wordings[int(rng.integers(len(wordings)))].format(kind=asked_word(attr), value=value)
+    return [
+        {"role": "user", "content": [{"type": "text", "text": format_tool_response(zoom_text(ZOOM_LABEL["perception"],
+                                                                                                0, box, 1), 1)},
+                                     {"type": "image", "image": crop}]},
+        {"role": "assistant", "content": _final({"choices": choices}, value, think)},
+    ]
 
 
 def located_cell(box: list[float], grid_rows: int, grid_cols: int) -> tuple[int, int]:
@@ -167,6 +214,37 @@ def framed_count(model, processor, scene: SceneConfig, prompts: list[list[dict]]
     outs = HFBackend(model, processor).generate(prompts, max_new_tokens=max_new_tokens)
     return sum(t is not None and zoom_cell(parse_turn(o.text), scene.grid_rows, scene.grid_cols) == t
                for o, t in zip(outs, truth))
+
+
+def held_out_reads(scene: SceneConfig, n: int, seed: int, system: str | None = None,
+                   attributes: Sequence[str] | None = None) -> tuple[list[list[dict]], list[str]]:
+    """``n`` answered perception drills (``answer_share`` 1) on new scenes without their answer turn, and the
+    teacher's answer of each (a value, or an option's letter): the prompts that score reading a right zoom's crop
+    apart from finding it (the teacher's zoom and its crop are in the prompt)."""
+    from mars.agent.protocol import parse_turn
+
+    prompts: list[list[dict]] = []
+    answers: list[str] = []
+    k = 0
+    while len(prompts) < n:  # a target without any asked attribute (no glyph for a letter-only draw) is not answered
+        for d in locate_dialogues(scene, n=n, seed=seed + 1000 * k, system=system, attributes=attributes,
+                                  perception_share=1.0, answer_share=1.0):
+            if d[-1]["role"] == "assistant" and len(prompts) < n and sum(m["role"] == "assistant" for m in d) == 2:
+                prompts.append(d[:-1])
+                answers.append(str(parse_turn(d[-1]["content"]).answer))
+        k += 1
+    return prompts, answers
+
+
+def read_count(model, processor, prompts: list[list[dict]], answers: list[str], max_new_tokens: int = 64) -> int:
+    """How many of ``prompts`` (:func:`held_out_reads`) a Qwen-VL ``model``'s greedy answer turn answers as the
+    teacher did (case and surrounding space ignored; a malformed turn is a miss)."""
+    from mars.agent.hf_backend import HFBackend
+    from mars.agent.protocol import parse_turn
+
+    outs = HFBackend(model, processor).generate(prompts, max_new_tokens=max_new_tokens)
+    got = [parse_turn(o.text).answer for o in outs]
+    return sum(g is not None and g.strip().lower() == a.strip().lower() for g, a in zip(got, answers))
 
 
 class LocateCheck:

@@ -60,7 +60,7 @@ from mars.tools.base import IMAGE_SEARCH, TEXT_SEARCH, TOOL_ARGS, TOOL_NAMES, ZO
 from mars.tools.cache import ToolCache, canonical_json
 from mars.tools.imaging import smart_resize
 
-__all__ = ["ToolBox", "ToolConfig", "ToolError"]
+__all__ = ["ToolBox", "ToolConfig", "ToolError", "zoom_text"]
 
 REL_MAX = 1000  # the relative grid: 0..1000
 MAX_ASPECT = 200  # smart_resize refuses aspect ratios >= 200
@@ -140,6 +140,13 @@ def _type_name(value: Any) -> str:
 def _num(v: float) -> str:
     """Format a validated coordinate: integers without a decimal point, others with up to 2 decimals."""
     return str(int(v)) if float(v).is_integer() else f"{v:.2f}".rstrip("0").rstrip(".")
+
+
+def zoom_text(label: str, img_idx: int, bbox_2d, crop_idx: int) -> str:
+    """The zoom tool's observation text: what was zoomed (``label``, "the region" when empty), on which image, the
+    box as called (``bbox_2d``), and the index the crop gets among the episode's images (``crop_idx``)."""
+    box = ", ".join(_num(v) for v in bbox_2d)
+    return f"Zoomed in on {label or 'the region'} (image {img_idx}, box [{box}]); the crop is image {crop_idx}."
 
 
 def _one_line(text: str) -> str:
@@ -368,10 +375,7 @@ class ToolBox:
             crop = crop.convert("RGB")
         h, w = smart_resize(b - t, r - l, self.cfg.factor, self.cfg.min_pixels, self.cfg.max_pixels)
         crop = crop.resize((w, h), Image.Resampling.BICUBIC)
-        box = ", ".join(_num(v) for v in norm["bbox_2d"])
-        label = norm["label"] or "the region"
-        text = f"Zoomed in on {label} (image {idx}, box [{box}]); the crop is image {len(images)}."
-        return Observation(text=text, images=[crop])
+        return Observation(text=zoom_text(norm["label"], idx, norm["bbox_2d"], len(images)), images=[crop])
 
     def _text_search(self, norm: dict) -> Observation:
         if self.text_index is None:

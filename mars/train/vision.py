@@ -132,9 +132,10 @@ def cell_data(dialogues: list[list[dict]], proc, grid_rows: int, grid_cols: int)
         user = next((m for m in d if m["role"] == "user"), None)
         content = user["content"] if user is not None and isinstance(user["content"], list) else []
         images = [c["image"] for c in content if isinstance(c, dict) and c.get("type") == "image"]
-        if not images or d[-1]["role"] != "assistant":
+        reply = next((m for m in d if m["role"] == "assistant"), None)  # a drill may go on after its zoom
+        if not images or reply is None:
             continue  # a text-only drill
-        cell = zoom_cell(parse_turn(d[-1]["content"]), grid_rows, grid_cols)
+        cell = zoom_cell(parse_turn(reply["content"]), grid_rows, grid_cols)
         if cell is None:
             continue  # not a zoom on image 0 (a zoom caption)
         ip = proc.image_processor(images=images[:1], return_tensors="pt")

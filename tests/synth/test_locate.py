@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
@@ -124,3 +125,66 @@ def test_drills_ask_only_the_given_attributes():
     for bad in ((), ("colour", "size")):
         with pytest.raises(ValueError, match="non-empty subset"):
             locate_dialogues(scene, n=1, attributes=bad)
+
+
+def test_answered_drills_are_whole_perception_episodes_about_the_target():
+    """sft.locate_answers: a perception drill goes on to the zoom's observation, worded as the real zoom tool words
+    it, with a crop of the framed emblem, and the teacher's answer: the target's own value, right by the judge."""
+    from mars.agent.config import AgentParams
+    from mars.tools.toolbox import ToolBox
+    from mars.world.emblems import COLOUR_NAMES
+
+    scene = WorldSpec().scene_config()
+    plain = locate_dialogues(scene, n=24, seed=5, system="S")
+    drills = locate_dialogues(scene, n=24, seed=5, system="S", answer_share=1.0)
+    pixels = lambda ds: [np.asarray(d[1]["content"][0]["image"]).tobytes() for d in ds]  # noqa: E731
+    assert pixels(drills) == pixels(plain)  # the same scenes: the answers draw from a stream of their own
+    tools = ToolBox(None, None, None, AgentParams().tools())  # the zoom needs no index
+    answered = 0
+    for d, p in zip(drills, plain):
+        question = d[1]["content"][1]["text"]
+        if MULTIHOP_SUBJECT in question:
+            assert d == p  # a multi-hop drill stops at its zoom
+            continue
+        answered += 1
+        assert [m["role"] for m in d] == ["system", "user", "assistant", "user", "assistant"]
+        zoom = parse_turn(d[2]["content"])
+        # the observation text is what the zoom tool writes for this call on this scene
+        obs = tools.call("image_zoom_in", zoom.arguments, [d[1]["content"][0]["image"]])
+        assert obs.error is None
+        assert d[3]["content"][0]["text"] == f"<tool_response>\n{obs.text}\n</tool_response>"
+        crop = d[3]["content"][1]["image"]
+        assert max(crop.size) <= 448
+        attr = asked_attribute(question)
+        reply = parse_turn(d[4]["content"])
+        assert reply.action == "answer" and reply.well_formed
+        value = re.search(r"(?:: | is )(\w+)\.", reply.think).group(1)  # the value the teacher's think states
+        if "\nA. " in question:  # multiple choice: the letter of the value stated in the think
+            letter = reply.answer
+            assert f"\n{letter}. {value}\n" in question and f"That is option {letter}." in reply.think
+        else:
+            assert reply.answer == value
+        if attr == "colour":  # the crop shows the stated fill colour
+            rgb = {v: k for k, v in COLOUR_NAMES.items()}[value]  # "#rrggbb"
+            target = tuple(int(rgb[i:i + 2], 16) for i in (1, 3, 5))
+            assert (np.abs(np.asarray(crop).astype(int) - target).sum(-1) < 30).sum() > 20
+    assert answered >= 6
+    with pytest.raises(ValueError, match="answer_share"):
+        locate_dialogues(scene, n=1, answer_share=2.0)
+
+
+def test_held_out_reads_end_at_the_crop_and_keep_the_teachers_answer():
+    """bench/probe_block.py --read: n answered perception drills cut before the answer, with the answer kept."""
+    from mars.synth.locate import held_out_reads
+
+    scene = WorldSpec().scene_config()
+    prompts, answers = held_out_reads(scene, 10, seed=7, system="S", attributes=["colour", "glyph"])
+    assert len(prompts) == len(answers) == 10
+    full = [d for d in locate_dialogues(scene, n=10, seed=7, system="S", attributes=["colour", "glyph"],
+                                        perception_share=1.0, answer_share=1.0) if len(d) == 5]
+    assert [p for p in prompts[:len(full)]] == [d[:-1] for d in full]  # the same draw, cut before the answer
+    for p, a in zip(prompts, answers):
+        assert [m["role"] for m in p] == ["system", "user", "assistant", "user"]
+        assert p[-1]["content"][1]["type"] == "image"  # the crop is in the prompt
+        assert asked_attribute(p[1]["content"][1]["text"]) in ("colour", "glyph")
+        assert a in ATTRIBUTES["colour"] or a in ATTRIBUTES["glyph"] or a in "ABCD"

@@ -161,6 +161,10 @@ def test_cell_data_labels_the_teachers_cell_and_skips_other_drills(stack):
     assert len(data) == 6  # the text-only drill and the caption (no zoom) are skipped
     assert [d[2] for d in data] == [(_box_cell(d[-1]["content"], 2, 2),) for d in drills]
     assert len({d[2] for d in data}) > 1  # the frame moves between scenes
+    # a drill that goes on to the crop and the answer (sft.locate_answers) is labelled by its zoom, not its answer
+    answered = [d for d in locate_dialogues(scene, n=6, seed=4, system="S", answer_share=1.0) if len(d) > 3]
+    assert answered and [d[2] for d in cell_data(answered, proc, 2, 2)] == [
+        (_box_cell(d[2]["content"], 2, 2),) for d in answered]
     for pv, grid, _ in data:
         assert pv.dtype == torch.float16 and int(grid.prod()) == pv.shape[0]
     assert cell_heads(2, 3) == {"cell": 6}
@@ -194,6 +198,21 @@ def test_stage_params_for_phase_0_localisation():
     with pytest.raises(ValueError, match="which only the block .* or phase 1 .* draws"):
         Params(vision_locate_steps=10, pretrain_locate=64, pretrain_steps=0, locate_steps=0)
     Params(vision_locate_steps=10, pretrain_locate=64, pretrain_steps=10)  # phase 1's drills are enough
+    with pytest.raises(ValueError, match=r"sft.locate_answers must be in \[0, 1\], got 1.5"):
+        Params(locate_answers=1.5)
+
+
+def test_locate_answers_reach_the_blocks_drills(stack):
+    """sft.locate_answers: the block's perception drills go on to the crop and the answer (vision_drills)."""
+    from stages.sft import vision_drills
+
+    _, _, scene = stack
+    plain = vision_drills(Params(pretrain_locate=16, locate_steps=5), scene, "S")
+    answered = vision_drills(Params(pretrain_locate=16, locate_steps=5, locate_answers=1.0), scene, "S")
+    assert {len(d) for d in plain} == {3}
+    assert {len(d) for d in answered} == {3, 5}  # multi-hop drills still stop at the zoom
+    scenes = lambda ds: [np.asarray(d[1]["content"][0]["image"]).tobytes() for d in ds]  # noqa: E731
+    assert scenes(answered) == scenes(plain)  # the same scenes, the answers drawn apart
 
 
 def test_each_phase_has_its_own_batch_grouping_and_the_block_stays_shuffled():

@@ -77,7 +77,7 @@ def locate_dialogues(
     With ``answer_share`` > 0 that share of the perception drills (asking an attribute the target emblem has) go on
     to the zoom's observation (the toolbox's text and a crop of the target emblem at a zoom's scale,
     :func:`mars.synth.captions.zoom_crop`) and the teacher's answer turn: whole perception episodes on new scenes
-    (the question then asks about the target's real value). The scenes and questions drawn do not depend on it.
+    (the question then asks about the target's real value). The scenes drawn do not depend on it.
 
     ``scene``: the world's scene knobs (:meth:`mars.world.generate.WorldSpec.scene_config`); its long-side bounds
     are replaced by ``long_side``. ``system``: the episodes' system prompt, so the drill's context matches theirs.
@@ -225,15 +225,16 @@ def held_out_reads(scene: SceneConfig, n: int, seed: int, system: str | None = N
 
     prompts: list[list[dict]] = []
     answers: list[str] = []
-    k = 0
-    while len(prompts) < n:  # a target without any asked attribute (no glyph for a letter-only draw) is not answered
+    for k in range(100):  # a target without any asked attribute (no glyph for a letter-only draw) is not answered
         for d in locate_dialogues(scene, n=n, seed=seed + 1000 * k, system=system, attributes=attributes,
                                   perception_share=1.0, answer_share=1.0):
-            if d[-1]["role"] == "assistant" and len(prompts) < n and sum(m["role"] == "assistant" for m in d) == 2:
+            if len(prompts) < n and sum(m["role"] == "assistant" for m in d) == 2:
                 prompts.append(d[:-1])
                 answers.append(str(parse_turn(d[-1]["content"]).answer))
-        k += 1
-    return prompts, answers
+        if len(prompts) == n:
+            return prompts, answers
+    raise ValueError(f"only {len(prompts)} of {n} drawn scenes have a target with one of the attributes "
+                     f"{attributes}; ask about more attributes")
 
 
 def read_count(model, processor, prompts: list[list[dict]], answers: list[str], max_new_tokens: int = 64) -> int:

@@ -129,7 +129,7 @@ def test_drills_ask_only_the_given_attributes():
 
 def test_answered_drills_are_whole_perception_episodes_about_the_target():
     """sft.locate_answers: a perception drill goes on to the zoom's observation, worded as the real zoom tool words
-    it, with a crop of the framed emblem, and the teacher's answer: the target's own value, right by the judge."""
+    it, with a crop of the framed emblem, and the teacher's answer: the value its think states, shown in the crop."""
     from mars.agent.config import AgentParams
     from mars.tools.toolbox import ToolBox
     from mars.world.emblems import COLOUR_NAMES

@@ -97,3 +97,26 @@ def test_sampler_rejects_bad_grouping():
         EpochSampler(10, 4, seed=0, lengths=[1] * 10, group_batches=0)
     with pytest.raises(ValueError, match="lengths has 9 entries for 10 examples"):
         EpochSampler(10, 4, seed=0, lengths=[1] * 9, group_batches=2)
+
+
+def test_rendered_pixels_are_kept_half_size_and_batched_as_float32():
+    """render_examples keeps pixel values in float16 (half the memory of a phase's pre-rendered images); collate
+    hands the model float32 holding the float16-rounded values, and text-only examples stay without pixels."""
+    import torch
+
+    from mars.model.chat import render
+    from mars.train.data import collate, render_examples
+    from tests.model.test_model import tiny_stack
+    from tests.train.test_deepspeed import dialogues
+
+    _, proc, _ = tiny_stack()
+    kept = render_examples(dialogues(), proc, max_len=4096)
+    full = [render(d, proc) for d in dialogues()]
+    assert kept[0].pixel_values.dtype == torch.float16 and full[0].pixel_values.dtype == torch.float32
+    assert kept[0].pixel_values.element_size() * 2 == full[0].pixel_values.element_size()
+    assert kept[1].pixel_values is None
+    batch = collate(kept, proc.tokenizer.pad_token_id)
+    pv = batch.inputs["pixel_values"]
+    assert pv.dtype == torch.float32
+    assert torch.equal(pv, full[0].pixel_values.half().float())
+    assert float((pv - full[0].pixel_values).abs().max()) < 2e-3  # the normalised values lie within about +-2

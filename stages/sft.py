@@ -47,7 +47,7 @@ What it does
        Measured (README, session 21): the held-out share plateaus near 70% on seeds 0 and 2 once the loss is low,
        and neither the check (seed 0 stopped at step 1,950) nor a longer phase 1 (seed 2, 3,000 steps) raised the
        SFT score, so the default has no target. Phase 1's and the block's dialogues (and the check's drills) are
-       drawn in a second process while the teacher of step 1 plays (:func:`drill_dialogues`; ``drills_wait_s`` in
+       drawn in two worker processes while the teacher of step 1 plays (:func:`play_and_draw`; ``drills_wait_s`` in
        the metrics: how long the drawing outlasted it).
     4. Training on the teacher trajectories (with ``trajectory_names: new`` or ``world`` their organisation and
        founder names replaced by stand-ins, a fresh set per trajectory, as in the drills:
@@ -369,15 +369,40 @@ def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, inde
     return captions + drills + vision_drills(params, scene, system, asked_attributes(all_questions))
 
 
-def drill_dialogues(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path, all_questions: list[dict],
-                    scene: SceneConfig | None, system: str, attributes: Sequence[str] | None
-                    ) -> tuple[list[list[dict]], list[list[dict]], list[list[dict]]]:
-    """(phase 1's dialogues, the localisation block's, phase 1's held-out check drills): :func:`pretrain_dialogues`,
-    :func:`locate_block_dialogues` and :func:`check_drills`; a module-level function, so the stage can draw them
-    in a second process."""
+def reading_dialogues(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path,
+                      all_questions: list[dict], scene: SceneConfig | None, system: str
+                      ) -> tuple[list[list[dict]], list[list[dict]]]:
+    """(phase 1's dialogues, phase 1's held-out check drills): :func:`pretrain_dialogues` and :func:`check_drills`;
+    module-level, so the stage draws them in a worker process beside :func:`locate_block_dialogues`."""
     return (pretrain_dialogues(params, agent, world_dir, index_dir, all_questions, scene, system),
-            locate_block_dialogues(params, scene, system, attributes),
             check_drills(params, agent, world_dir, index_dir, all_questions))
+
+
+def play_and_draw(params: Params, agent: AgentParams, inputs: dict[str, Path], all_questions: list[dict],
+                  scene: SceneConfig | None, system: str, attributes: Sequence[str] | None, workers: int = 2
+                  ) -> tuple[list, dict, list[list[dict]], list[list[dict]], list[list[dict]]]:
+    """The teacher plays the sft split here while ``workers`` processes draw phase 1's dialogues with its check
+    drills (:func:`reading_dialogues`) and the block's (:func:`locate_block_dialogues`): all three mostly
+    single-threaded Python (the drills' image searches, the block's scenes and crops), the same draws as in this
+    process. Returns (trajectories, teacher stats with ``drills_wait_s``: how long the drawing outlasted the
+    teacher, phase 1's dialogues, the block's, the check drills). One worker draws the two in turn (the stage
+    before session 24; ``bench/probe_drawing.py`` times both)."""
+    import multiprocessing as mp
+
+    if workers not in (1, 2):
+        raise ValueError(f"play_and_draw draws two parts: workers must be 1 or 2, got {workers}")
+    # a Pool, not a ProcessPoolExecutor: leaving it terminates the drawing, so a teacher error shows at once
+    with mp.get_context("spawn").Pool(workers) as drawer:
+        reading = drawer.apply_async(reading_dialogues, (params, agent, inputs["world_dir"], inputs["index_dir"],
+                                                         all_questions, scene, system))
+        block = drawer.apply_async(locate_block_dialogues, (params, scene, system, attributes))
+        questions = [q for q in all_questions if q["split"] == "sft"]
+        trajs, stats = teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
+                                            inputs["index_dir"])
+        t0 = time.perf_counter()
+        (pretrain, held_out), locate = reading.get(), block.get()
+        stats["drills_wait_s"] = round(time.perf_counter() - t0, 1)
+    return trajs, stats, pretrain, locate, held_out
 
 
 def check_drills(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path,
@@ -502,26 +527,13 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         raise RuntimeError(f"{inputs['questions']}: no questions in the sft split; check the synthesize params")
     system = (system_prompt if agent.prompt == "full" else compact_system_prompt)(TOOL_SCHEMAS)
     attributes = asked_attributes(all_questions)  # the localisation drills ask what the questions ask
-    drill_args = (params, agent, inputs["world_dir"], inputs["index_dir"], all_questions, scene, system, attributes)
     pretrain, locate, held_out = [], [], []
-
-    def play() -> tuple[list, dict]:
-        return teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
-                                    inputs["index_dir"])
-
     if not (params.pretrain_steps or params.locate_steps):
-        trajs, stats = play()
-    else:  # the drills are drawn in a second process while the teacher plays (both mostly single-threaded Python;
-        # the drills' image searches took 80 s of the default's sft stage): the same draws as in this process
-        # a Pool, not a ProcessPoolExecutor: leaving it terminates the drawing, so a teacher error shows at once
-        import multiprocessing as mp
-
-        with mp.get_context("spawn").Pool(1) as drawer:
-            drawn = drawer.apply_async(drill_dialogues, drill_args)
-            trajs, stats = play()
-            t0 = time.perf_counter()
-            pretrain, locate, held_out = drawn.get()
-            stats["drills_wait_s"] = round(time.perf_counter() - t0, 1)  # how long the drawing outlasted the teacher
+        trajs, stats = teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
+                                            inputs["index_dir"])
+    else:
+        trajs, stats, pretrain, locate, held_out = play_and_draw(params, agent, inputs, all_questions, scene, system,
+                                                                 attributes)
     model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
     dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
     examples = render_examples(dialogues, proc, params.max_len, desc="rendering trajectories")

@@ -331,8 +331,8 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
 
 
 def test_sft_teacher_error_ends_the_drill_drawing_and_writes_nothing(built, tmp_path):
-    """The drills are drawn in a second process while the teacher plays; a teacher that fails (here an endpoint with
-    nothing listening: every episode a backend error) raises its error and leaves no drawing process behind."""
+    """The drills are drawn in two worker processes while the teacher plays; a teacher that fails (here an endpoint
+    with nothing listening: every episode a backend error) raises its error and leaves no drawing process behind."""
     import multiprocessing as mp
     import socket
 
@@ -348,6 +348,12 @@ def test_sft_teacher_error_ends_the_drill_drawing_and_writes_nothing(built, tmp_
         sft.run(params, built.agent, built.sft_in, outs)
     assert mp.active_children() == []
     assert not (tmp_path / "out").exists() and not (tmp_path / "m.json").exists()
+
+
+def test_play_and_draw_draws_two_parts_with_one_or_two_workers(tmp_path):
+    params = load_params("sft", sft.Params, write_params(tmp_path, "w", profile={}))
+    with pytest.raises(ValueError, match="workers must be 1 or 2, got 3"):
+        sft.play_and_draw(params, None, {}, [], None, "S", None, workers=3)
 
 
 def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):

@@ -13,13 +13,14 @@ What it measures
 Run (in a pipeline's working directory, after ``dvc repro`` reached synthesize; the sft params of ``--params``)::
 
     python bench/probe_drawing.py
-    python bench/probe_drawing.py --captions 4000   # sft.pretrain_zoom_captions for this run (the colour profile's)
+    python bench/probe_drawing.py --captions 1000   # sft.pretrain_zoom_captions for this run (a quicker probe)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 import time
 from pathlib import Path
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         digests.append([dialogues_digest(d) for d in (pretrain, locate, held_out)])
         rows.append((f"{workers} worker{'s' if workers > 1 else ''}", len(trajs), len(pretrain), len(locate), wall,
                      stats["teacher_s"], stats["drills_wait_s"]))
+        # the images of one run's dialogues (4,000 zoom captions: several GB) must go before the next is drawn:
+        # held across both runs they took 18 GB and the kernel's OOM killer ended the probe
+        del trajs, pretrain, locate, held_out
+        gc.collect()
         print(f"{rows[-1][0]}: {wall:.1f} s", flush=True)
     if digests[0] != digests[1]:
         sys.exit(f"the two runs drew different dialogues: {digests}")

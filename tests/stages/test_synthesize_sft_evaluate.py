@@ -350,7 +350,7 @@ def test_sft_teacher_error_ends_the_drill_drawing_and_writes_nothing(built, tmp_
     assert not (tmp_path / "out").exists() and not (tmp_path / "m.json").exists()
 
 
-def test_play_and_draw_draws_two_parts_with_one_or_two_workers(tmp_path):
+def test_play_and_draw_takes_one_or_two_workers_only(tmp_path):
     params = load_params("sft", sft.Params, write_params(tmp_path, "w", profile={}))
     with pytest.raises(ValueError, match="workers must be 1 or 2, got 3"):
         sft.play_and_draw(params, None, {}, [], None, "S", None, workers=3)

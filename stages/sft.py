@@ -47,7 +47,7 @@ What it does
        Measured (README, session 21): the held-out share plateaus near 70% on seeds 0 and 2 once the loss is low,
        and neither the check (seed 0 stopped at step 1,950) nor a longer phase 1 (seed 2, 3,000 steps) raised the
        SFT score, so the default has no target. Phase 1's and the block's dialogues (and the check's drills) are
-       drawn in two worker processes while the teacher of step 1 plays (:func:`play_and_draw`; ``drills_wait_s`` in
+       drawn in a worker process while the teacher of step 1 plays (:func:`play_and_draw`; ``drills_wait_s`` in
        the metrics: how long the drawing outlasted it).
     4. Training on the teacher trajectories (with ``trajectory_names: new`` or ``world`` their organisation and
        founder names replaced by stand-ins, a fresh set per trajectory, as in the drills:
@@ -150,6 +150,7 @@ class Params:
     grad_accum: int = 1
     group_batches: int = 1  # phase 2's length-grouped batches: runs of this many batches sorted by length (1 = off)
     pretrain_group_batches: int = 1  # phase 1's (1 = plain shuffled batches)
+    length_split: int = 1  # every phase's batches run as this many sub-batches of similar length (the same gradient)
     max_steps: int = 350
     lr: float = 2e-3
     pretrain_lr: float = 0.0  # phase 1's language-model rate (0 = lr; the vision rate stays vision_lr)
@@ -285,7 +286,8 @@ class Params:
         )
         return SFTConfig(optim=optim, batch_size=self.batch_size, grad_accum=self.grad_accum,
                          checkpoint_every=self.checkpoint_every, precision=self.precision, seed=self.seed,
-                         group_batches=self.group_batches if group_batches is None else group_batches)
+                         group_batches=self.group_batches if group_batches is None else group_batches,
+                         length_split=self.length_split)
 
 
 def teacher_trajectories(params: Params, agent: AgentParams, questions: list[dict], image_root: Path,
@@ -379,14 +381,16 @@ def reading_dialogues(params: Params, agent: AgentParams, world_dir: Path, index
 
 
 def play_and_draw(params: Params, agent: AgentParams, inputs: dict[str, Path], all_questions: list[dict],
-                  scene: SceneConfig | None, system: str, attributes: Sequence[str] | None, workers: int = 2
+                  scene: SceneConfig | None, system: str, attributes: Sequence[str] | None, workers: int = 1
                   ) -> tuple[list, dict, list[list[dict]], list[list[dict]], list[list[dict]]]:
     """The teacher plays the sft split here while ``workers`` processes draw phase 1's dialogues with its check
     drills (:func:`reading_dialogues`) and the block's (:func:`locate_block_dialogues`): all three mostly
     single-threaded Python (the drills' image searches, the block's scenes and crops), the same draws as in this
     process. Returns (trajectories, teacher stats with ``drills_wait_s``: how long the drawing outlasted the
-    teacher, phase 1's dialogues, the block's, the check drills). One worker draws the two in turn (the stage
-    before session 24; ``bench/probe_drawing.py`` times both)."""
+    teacher, phase 1's dialogues, the block's, the check drills). One worker (the stage's) draws the two in turn;
+    two draw them at once, which on two cores did not shorten the step (the colour profile's data: teacher and
+    drawing 5.8 minutes with one worker, run P3, 5.6 with two, run P5; README, session 25), as the teacher and
+    one worker already hold both cores; ``bench/probe_drawing.py`` times both."""
     import multiprocessing as mp
 
     if workers not in (1, 2):

@@ -9,7 +9,8 @@ What it does
     (batches of similar length pad less); its position (``epoch``, ``offset``) is part of a training checkpoint,
     so a resumed run sees the same batches.
     :func:`collate` right-pads a list of rendered examples into one batch with ``labels`` = the next token where
-    the loss mask is 1 and -100 elsewhere.
+    the loss mask is 1 and -100 elsewhere. :func:`length_chunks` cuts a batch into runs of similar length, each
+    collated (padded) on its own: the trainer sums their losses into the same gradient with less padding.
     :func:`dialogues_digest` hashes what a phase trains on (roles, texts, image pixels), so a checkpoint is only
     resumed by a run that trains on the same data, whatever code or input produced it.
 
@@ -32,7 +33,7 @@ from tqdm import tqdm
 from mars.model.chat import Rendered, render
 
 __all__ = ["dialogue_from_row", "dialogues_digest", "render_examples", "EpochSampler", "collate", "Batch",
-           "label_logits"]
+           "label_logits", "length_chunks"]
 log = logging.getLogger(__name__)
 
 
@@ -163,6 +164,27 @@ class EpochSampler:
 
     def load(self, state: dict) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
+def length_chunks(idx: list[int], lengths, k: int) -> list[list[int]]:
+    """``idx`` (one batch's example indices) ordered longest first (stable) and cut into ``min(k, len(idx))`` runs of
+    near-equal count (the first runs one longer when it does not divide), so each run pads only to its own longest.
+
+    >>> length_chunks([0, 1, 2, 3, 4], [5, 300, 40, 310, 50], 2)
+    [[3, 1, 4], [2, 0]]
+    """
+    if k < 1:
+        raise ValueError(f"length_chunks: k must be >= 1, got {k}")
+    order = sorted(idx, key=lambda i: -int(lengths[i]))  # sorted() is stable
+    if not order:
+        return []
+    k = min(k, len(order))
+    q, r = divmod(len(order), k)
+    out, s = [], 0
+    for j in range(k):
+        out.append(order[s : s + q + (j < r)])
+        s += q + (j < r)
+    return out
 
 
 @dataclass

@@ -3,12 +3,14 @@
 What it does
     :func:`train_sft` trains a Qwen-VL model on pre-rendered trajectories (:mod:`mars.train.data`): batches of
     ``batch_size`` dialogues (of similar length with ``group_batches`` > 1: less padding), ``grad_accum``
-    micro-batches per optimizer step, the loss summed over tokens whose loss mask is 1 (the assistant's own tokens
-    and its ``<|im_end|>``) and divided by their count over the whole optimizer batch; AdamW with per-module
-    learning rates, warm-up and schedule, gradient clipping (:mod:`mars.train.optim`; DeepSpeed ZeRO-2/3 when
-    ``optim.deepspeed_stage`` asks for it); bf16 autocast when ``precision="bf16"`` and the device supports it.
-    Every ``checkpoint_every`` steps it saves model, optimizer, scheduler, RNG states, step and sampler position
-    (:mod:`mars.train.checkpoint`); a rerun with the same fingerprint resumes from the newest checkpoint and
+    micro-batches per optimizer step, each run as ``length_split`` sub-batches of similar length
+    (:func:`mars.train.data.length_chunks`: each pads only to its own longest), the loss summed over tokens whose
+    loss mask is 1 (the assistant's own tokens and its ``<|im_end|>``) and divided by their count over the whole
+    optimizer batch, so the split leaves the gradient as it was (to float rounding) and only cuts padding; AdamW
+    with per-module learning rates, warm-up and schedule, gradient clipping (:mod:`mars.train.optim`; DeepSpeed
+    ZeRO-2/3 when ``optim.deepspeed_stage`` asks for it); bf16 autocast when ``precision="bf16"`` and the device
+    supports it. Every ``checkpoint_every`` steps it saves model, optimizer, scheduler, RNG states, step and sampler
+    position (:mod:`mars.train.checkpoint`); a rerun with the same fingerprint resumes from the newest checkpoint and
     reproduces the uninterrupted loss curve exactly on CPU. An optional stopping check (``until``) is asked after
     each checkpoint: the localisation block stops once its first zoom frames held-out scenes. Curves go to dvclive
     (``dvc plots show``); a tqdm bar shows progress. Returns a summary: steps, final and first losses, tokens/s,
@@ -37,7 +39,7 @@ from tqdm import tqdm
 
 from mars.model.chat import Rendered
 from mars.train.checkpoint import latest_state, open_live, rng_state, save_state, set_rng_state
-from mars.train.data import EpochSampler, collate, label_logits
+from mars.train.data import EpochSampler, collate, label_logits, length_chunks
 from mars.train.optim import OptimConfig, make_stepper
 
 __all__ = ["SFTConfig", "train_sft", "token_loss", "peak_rss_mb"]
@@ -54,10 +56,13 @@ class SFTConfig:
     precision: str = "fp32"  # fp32 | bf16
     seed: int = 0
     group_batches: int = 1  # length-grouped batches (mars.train.data.EpochSampler); 1 = plain shuffle
+    length_split: int = 1  # each micro-batch run as this many sub-batches of similar length (the same gradient)
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.grad_accum < 1 or self.checkpoint_every < 1 or self.group_batches < 1:
-            raise ValueError("batch_size, grad_accum, checkpoint_every and group_batches must be >= 1")
+        if min(self.batch_size, self.grad_accum, self.checkpoint_every, self.group_batches, self.length_split) < 1:
+            raise ValueError("batch_size, grad_accum, checkpoint_every, group_batches and length_split must be >= 1, "
+                             f"got {self.batch_size}, {self.grad_accum}, {self.checkpoint_every}, "
+                             f"{self.group_batches}, {self.length_split}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
 
@@ -110,8 +115,9 @@ def train_sft(
     """
     torch.manual_seed(cfg.seed)
     stepper = make_stepper(model, cfg.optim)
-    sampler = EpochSampler(len(examples), cfg.batch_size * cfg.grad_accum, cfg.seed,
-                           lengths=[len(e.input_ids) for e in examples], group_batches=cfg.group_batches)
+    lengths = [len(e.input_ids) for e in examples]
+    sampler = EpochSampler(len(examples), cfg.batch_size * cfg.grad_accum, cfg.seed, lengths=lengths,
+                           group_batches=cfg.group_batches)
     history: list[tuple[int, float]] = []
     start = 0
     state = latest_state(ckpt_dir, fp)
@@ -136,7 +142,8 @@ def train_sft(
         t0 = time.perf_counter()
         idx = sampler.next()
         micro = [idx[k * cfg.batch_size : (k + 1) * cfg.batch_size] for k in range(cfg.grad_accum)]
-        batches = [collate([examples[i] for i in m], pad_id) for m in micro]
+        parts = [c for m in micro for c in length_chunks(m, lengths, cfg.length_split)]
+        batches = [collate([examples[i] for i in c], pad_id) for c in parts]
         t1 = time.perf_counter()
         n_tok = sum(b.n_tokens for b in batches)
         total = 0.0

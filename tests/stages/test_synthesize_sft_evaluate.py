@@ -324,8 +324,10 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
         load_params("sft", sft.Params, write_params(tmp_path, "pt", profile={"sft": {"pretokenizer": "spaces"}}))
     with pytest.raises(ValueError, match=r"sft.drill_chains must be in \[0, 1\], got 1.5"):
         load_params("sft", sft.Params, write_params(tmp_path, "dc", profile={"sft": {"drill_chains": 1.5}}))
-    with pytest.raises(ValueError, match="checkpoint_every and group_batches must be >= 1"):
+    with pytest.raises(ValueError, match="group_batches and length_split must be >= 1, got 8, 1, 50, 0, 1"):
         load_params("sft", sft.Params, write_params(tmp_path, "gb", profile={"sft": {"group_batches": 0}}))
+    with pytest.raises(ValueError, match="group_batches and length_split must be >= 1, got 8, 1, 50, 8, 0"):
+        load_params("sft", sft.Params, write_params(tmp_path, "ls", profile={"sft": {"length_split": 0}}))
     with pytest.raises(ValueError, match="sft.vision_test_images must be >= 1, got 0"):
         load_params("sft", sft.Params, write_params(tmp_path, "vt", profile={"sft": {"vision_test_images": 0}}))
 

@@ -105,7 +105,7 @@ def synthetic_dialogues(n: int, pixels: int, seed: int = 0, short: float = 0.0) 
         x0, y0 = int(rng.integers(0, 700)), int(rng.integers(0, 700))
         box = [x0, y0, x0 + int(rng.integers(100, 300)), y0 + int(rng.integers(100, 300))]
         crop = policy_view(blocks(rng, int(rng.integers(150, 600)), int(rng.integers(150, 600))), 56 * 56, pixels)
-        if rng.random() < short:  # a caption: the image, a question, a short answer
+        if short and rng.random() < short:  # a caption (no draw without them: the data of earlier sessions)
             out.append([{"role": "user", "content": [{"type": "image", "image": crop},
                                                      {"type": "text", "text": f"Q{i}: {text(6)}?"}]},
                         {"role": "assistant", "content": format_answer(text(1), text(4))}])

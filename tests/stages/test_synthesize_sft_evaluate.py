@@ -333,7 +333,7 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
 
 
 def test_sft_teacher_error_ends_the_drill_drawing_and_writes_nothing(built, tmp_path):
-    """The drills are drawn in two worker processes while the teacher plays; a teacher that fails (here an endpoint
+    """The drills are drawn in a worker process while the teacher plays; a teacher that fails (here an endpoint
     with nothing listening: every episode a backend error) raises its error and leaves no drawing process behind."""
     import multiprocessing as mp
     import socket

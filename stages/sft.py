@@ -56,10 +56,12 @@ What it does
        (without them the agentic phase overwrote the copy skill phase 1 taught; README)
        (:func:`mars.train.sft.train_sft`): assistant-token loss, per-module learning rates, warm-up and
        schedule, clipping, accumulation, optional DeepSpeed ZeRO-2/3, checkpoints every ``checkpoint_every``
-       steps into ``--checkpoints`` (kept by DVC across runs: a killed ``dvc repro`` resumes from the newest
-       one when params, input files and every phase's data are the same, :func:`mars.train.data.dialogues_digest`;
-       else the phases start afresh; phase 0's crops are drawn from params alone and are not hashed), curves with
-       dvclive in ``--live``. The final model is saved as ``model/``, a self-contained HF checkpoint directory
+       steps into ``--checkpoints`` (kept by DVC across runs: a killed ``dvc repro`` resumes each phase from its
+       newest checkpoint when its key holds, :func:`phase_keys`: the params, input files, code, tokenizer and the
+       data (:func:`mars.train.data.dialogues_digest`) of that phase and every one before it; a complete phase is
+       restored from its last checkpoint, so a change of a later phase's knobs (:data:`PHASE_KNOBS`, e.g.
+       ``locate_steps`` or ``max_steps``) reruns only that phase and the ones after it), curves with dvclive in
+       ``--live``. The final model is saved as ``model/``, a self-contained HF checkpoint directory
        (weights, config, tokenizer, processor, chat template).
 
 Deviations: the paper's teacher is a strong VLM with about 3k cold-start trajectories; the default's teacher is
@@ -76,7 +78,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -97,6 +99,15 @@ from mars.world.scenes import SceneConfig
 
 SECTION = "sft"
 TEACHER_CHUNK = 64  # teacher episodes played at once (bounds the memory of full-resolution scenes)
+# The training phases in order, and the params only each of the later ones reads (every other param is in every
+# phase's key, :func:`phase_keys`): a change of these keeps the phases before their owner.
+PHASES = ("vision", "vision_locate", "pretrain", "locate", "train")
+PHASE_KNOBS = {
+    "pretrain": ("pretrain_steps", "pretrain_batch_size", "pretrain_lr", "pretrain_group_batches", "pretrain_target",
+                 "pretrain_check_drills", "pretrain_check_from"),
+    "locate": ("locate_steps", "locate_batch_size", "locate_target", "locate_check_scenes", "locate_mix"),
+    "train": ("max_steps", "group_batches", "mix_pretrain"),
+}
 log = logging.getLogger(__name__)
 
 
@@ -147,6 +158,8 @@ class Params:
     vision_window: int = 224  # window attention span in pixels (>= the policy's view: one window per image)
     rope_theta: float = 10000.0
     batch_size: int = 16
+    pretrain_batch_size: int = 0  # phase 1's batch (0 = batch_size)
+    locate_batch_size: int = 0  # the localisation block's (0 = batch_size)
     grad_accum: int = 1
     group_batches: int = 1  # phase 2's length-grouped batches: runs of this many batches sorted by length (1 = off)
     pretrain_group_batches: int = 1  # phase 1's (1 = plain shuffled batches)
@@ -242,6 +255,9 @@ class Params:
             counts.pop("pretrain_zoom_captions")
         if self.pretrain_steps and not any(counts.values()):
             raise ValueError(f"sft.pretrain_steps > 0 needs one of {', '.join(counts)} > 0")
+        for k in ("pretrain_batch_size", "locate_batch_size"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"sft.{k} must be >= 0 (0 = sft.batch_size), got {getattr(self, k)}")
         if self.pretrain_group_batches < 1:
             raise ValueError(f"sft.pretrain_group_batches must be >= 1, got {self.pretrain_group_batches}")
         self.train_config()  # validates the training knobs
@@ -263,18 +279,22 @@ class Params:
                                     checkpoint_every=self.checkpoint_every, seed=self.seed)
 
     def pretrain_config(self):
-        """Phase 1's training config: ``pretrain_steps`` steps at ``pretrain_lr`` (``lr`` when 0), in
-        ``pretrain_group_batches`` length-grouped batches (1 = shuffled: grouped, the drills' batches pad less but
-        come in runs of one drill kind, and the SFT model copied the top title less: README, run Q)."""
+        """Phase 1's training config: ``pretrain_steps`` steps of ``pretrain_batch_size`` (``batch_size`` when 0)
+        at ``pretrain_lr`` (``lr`` when 0), in ``pretrain_group_batches`` length-grouped batches (1 = shuffled:
+        grouped, the drills' batches pad less but come in runs of one drill kind, and the SFT model copied the top
+        title less: README, run Q)."""
         return self.train_config(self.pretrain_steps, lr=self.pretrain_lr or self.lr,
-                                 group_batches=self.pretrain_group_batches)
+                                 group_batches=self.pretrain_group_batches, batch_size=self.pretrain_batch_size)
 
     def locate_config(self):
-        """The localisation block's training config: ``locate_steps`` steps at ``lr`` and ``vision_lr``; plain
-        shuffled batches."""
-        return self.train_config(self.locate_steps, group_batches=1)
+        """The localisation block's training config: ``locate_steps`` steps of ``locate_batch_size``
+        (``batch_size`` when 0) at ``lr`` and ``vision_lr``; plain shuffled batches."""
+        return self.train_config(self.locate_steps, group_batches=1, batch_size=self.locate_batch_size)
 
-    def train_config(self, max_steps: int | None = None, lr: float | None = None, group_batches: int | None = None):
+    def train_config(self, max_steps: int | None = None, lr: float | None = None, group_batches: int | None = None,
+                     batch_size: int = 0):
+        """Phase 2's training config, or a phase's with its ``max_steps``, ``lr``, ``group_batches`` and
+        ``batch_size`` (0 = ``batch_size``)."""
         from mars.train.optim import OptimConfig
         from mars.train.sft import SFTConfig
 
@@ -284,7 +304,7 @@ class Params:
             max_steps=self.max_steps if max_steps is None else max_steps,
             clip_norm=self.clip_norm, freeze_vision=self.freeze_vision, deepspeed_stage=self.deepspeed_stage,
         )
-        return SFTConfig(optim=optim, batch_size=self.batch_size, grad_accum=self.grad_accum,
+        return SFTConfig(optim=optim, batch_size=batch_size or self.batch_size, grad_accum=self.grad_accum,
                          checkpoint_every=self.checkpoint_every, precision=self.precision, seed=self.seed,
                          group_batches=self.group_batches if group_batches is None else group_batches,
                          length_split=self.length_split)
@@ -499,7 +519,8 @@ def build_stack(params: Params, agent: AgentParams, texts: list[str]):
     cfg = tiny_config(
         len(tok), arch=params.arch, text_hidden=params.text_hidden, text_layers=params.text_layers, heads=params.heads,
         kv_heads=params.kv_heads, vision_hidden=params.vision_hidden, vision_layers=params.vision_layers,
-        rope_theta=params.rope_theta, window_size=params.vision_window, image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        rope_theta=params.rope_theta, window_size=params.vision_window, image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
         eos_token_id=ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
     )
@@ -510,6 +531,28 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+def phase_keys(params: Params, common: Sequence, data: dict[str, Sequence[str]]) -> dict[str, str]:
+    """Each training phase's checkpoint key (:data:`PHASES`), chained: a phase's key is the one before it plus its
+    own knobs (:data:`PHASE_KNOBS`) and the digests of the data it trains on (``data[phase]``); the first key holds
+    ``common`` (the agent params, input and code hashes, the tokenizer's digest) and every param no later phase
+    owns. So a phase resumes (or, complete, is restored from its last checkpoint) only when it and everything
+    before it would train the same, and a change of a later phase's knobs keeps it: with the colour profile a new
+    ``locate_steps`` reruns the block and phase 2 and restores phases 0 and 1 (about 19 minutes) in seconds."""
+    from mars.train.checkpoint import fingerprint
+
+    values = asdict(params)
+    owned = {k for knobs in PHASE_KNOBS.values() for k in knobs}
+    unknown = owned - set(values)
+    if unknown:  # a renamed param would silently leave every key
+        raise KeyError(f"PHASE_KNOBS names params sft.Params lacks: {sorted(unknown)}")
+    key = fingerprint({k: v for k, v in values.items() if k not in owned}, list(common))
+    keys = {}
+    for phase in PHASES:
+        key = fingerprint(key, phase, {k: values[k] for k in PHASE_KNOBS.get(phase, ())}, list(data.get(phase, ())))
+        keys[phase] = key
+    return keys
+
+
 def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: dict[str, Path],
         scene: SceneConfig | None = None) -> dict:
     """The stage (module docstring); ``scene``: the world's scene knobs (``pretrain_locate``,
@@ -518,7 +561,8 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.agent.protocol import compact_system_prompt, system_prompt
     from mars.model.build import count_params, save_checkpoint
     from mars.tools.base import TOOL_SCHEMAS
-    from mars.train.checkpoint import fingerprint, source_digest
+    from mars.model.tokenizer import tokenizer_digest
+    from mars.train.checkpoint import source_digest
     from mars.train.data import dialogues_digest, render_examples
     from mars.train.sft import train_sft
 
@@ -542,10 +586,14 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
     examples = render_examples(dialogues, proc, params.max_len, desc="rendering trajectories")
     _check_masks(examples, tok)
-    # the code and every phase's data are in the fingerprint: a code change never resumes old weights, nor does
-    # a change of the world or index inputs, which the questions file's hash does not cover
-    digests = [dialogues_digest(d) for d in (dialogues, pretrain, locate)]
-    fp = fingerprint(params, agent, _file_hash(inputs["questions"]), len(examples), digests, source_digest())
+    # the code, the world's scene knobs, the tokenizer and each phase's data are in its key: a code change never
+    # resumes old weights, nor does a change of the world or index inputs, which the questions file's hash does
+    # not cover; a change of a later phase's knobs keeps the phases before it
+    common = (asdict(agent), asdict(scene) if scene is not None else None, _file_hash(inputs["questions"]),
+              tokenizer_digest(tok), source_digest())
+    d_pre, d_loc, d_held = (dialogues_digest(d) for d in (pretrain, locate, held_out))
+    keys = phase_keys(params, common, {"vision_locate": [d_loc if locate else d_pre], "pretrain": [d_pre, d_held],
+                                       "locate": [d_loc], "train": [dialogues_digest(dialogues)]})
     pre_stats: dict = {}
     pool: list = []  # phase 1's and the block's examples, which phase 2 mixes in
     with atomic_dir(outputs["out"]) as out:
@@ -553,10 +601,10 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         save_checkpoint(model, tok, proc, out / "base")
         if params.vision_pretrain_steps:
             pre_stats |= vision_pretrain(params, model, proc, scene, outputs["checkpoints"] / "vision",
-                                         fingerprint(fp, "vision"))
+                                         keys["vision"])
         if params.vision_locate_steps:
             pre_stats |= vision_locate(params, model, proc, scene, locate or pretrain,
-                                       outputs["checkpoints"] / "vision_locate", fingerprint(fp, "vision_locate"),
+                                       outputs["checkpoints"] / "vision_locate", keys["vision_locate"],
                                        attributes)
         # phase 1, then the localisation block, each with its own checkpoints, so a kill in any phase resumes there
         for name, dialogues, config in (("pretrain", pretrain, params.pretrain_config),
@@ -571,7 +619,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                      else copy_check(params, proc, held_out))
             res = train_sft(model, block + kept, config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"] / name, live_dir=None,
-                            fp=fingerprint(fp, name, len(block), len(kept)), until=check)
+                            fp=keys[name], until=check)
             pre_stats |= {f"{name}_examples": len(block), f"{name}_loss_first": res["loss_first"],
                           f"{name}_loss_final": res["loss_final"], f"{name}_tokens_per_s": res["tokens_per_s"],
                           f"{name}_steps_run": res["steps"]}
@@ -586,7 +634,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         mixed = _mix(pool, len(examples), params.mix_pretrain, params.seed)
         del pool, pretrain, locate  # the pixels of what is not mixed in are not needed in phase 2
         summary = train_sft(model, examples + mixed, params.train_config(), pad_id=tok.pad_token_id,
-                            ckpt_dir=outputs["checkpoints"], live_dir=outputs["live"], fp=fp)
+                            ckpt_dir=outputs["checkpoints"], live_dir=outputs["live"], fp=keys["train"])
         if not all(torch.isfinite(torch.tensor([l for _, l in summary["history"]]))):
             raise RuntimeError("SFT loss became NaN/inf; lower sft.lr or sft.vision_lr")
         save_checkpoint(model, tok, proc, out / "model")

@@ -276,3 +276,18 @@ def load_qwen_vocab() -> PreTrainedTokenizerFast:
         if tok.token_to_id(t) != i:
             raise RuntimeError(f"{t}: got id {tok.token_to_id(t)}, expected {i}; the qwen.tiktoken file is not Qwen2's")
     return _wrap(tok)
+
+
+def tokenizer_digest(tok) -> str:
+    """A 16-hex-digit hash of a tokenizer: its whole definition (vocabulary, merges, normaliser, pre-tokenizer, added
+    tokens) and its chat template. The sft stage keys phase checkpoints with it, so a phase trained with another
+    vocabulary is never resumed (a slow tokenizer without a backend hashes its vocabulary)."""
+    import hashlib
+    import json
+
+    backend = getattr(tok, "backend_tokenizer", None)
+    spec = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+    h = hashlib.blake2b(digest_size=8)
+    h.update(spec.encode())
+    h.update(b"\0" + str(getattr(tok, "chat_template", "") or "").encode())
+    return h.hexdigest()

@@ -18,7 +18,7 @@ from mars.model.build import (
     tiny_config,
 )
 from mars.model.processor import build_processor
-from mars.model.tokenizer import PROTOCOL_TOKENS, SPECIAL_TOKENS, train_tokenizer
+from mars.model.tokenizer import PROTOCOL_TOKENS, SPECIAL_TOKENS, tokenizer_digest, train_tokenizer
 
 PIX = 112 * 112
 
@@ -69,6 +69,25 @@ def test_roundtrip_and_determinism():
     assert tok2.get_vocab() == tok.get_vocab()
     assert tok2.encode(s) == tok.encode(s)
     assert len(tok) <= 512
+
+
+def test_tokenizer_digest_tells_vocabularies_and_templates_apart(tmp_path):
+    """The sft stage keys phase checkpoints with it: equal tokenizers (retrained, or saved and reloaded) hash the
+    same, another vocabulary size, pre-tokenizer or chat template does not."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    tok, _, _ = tiny_stack()
+    d = tokenizer_digest(tok)
+    assert len(d) == 16 and d == tokenizer_digest(train_tokenizer(corpus(), vocab_size=512))
+    assert d != tokenizer_digest(train_tokenizer(corpus(), vocab_size=300))
+    assert d != tokenizer_digest(train_tokenizer(corpus(), vocab_size=512, pretokenizer="trailing"))
+    other = copy.deepcopy(tok)
+    other.chat_template = tok.chat_template + " "
+    assert tokenizer_digest(other) != d
+    tok.save_pretrained(tmp_path / "tok")
+    assert tokenizer_digest(AutoTokenizer.from_pretrained(tmp_path / "tok")) == d
 
 
 def test_a_word_has_the_same_ids_in_every_context():

@@ -371,6 +371,29 @@ def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):
         params(pretrain_lr=-0.001)
 
 
+
+def test_sft_phase_batch_sizes_set_their_phase_only(tmp_path):
+    def params(**kw):
+        return load_params("sft", sft.Params, write_params(tmp_path, "pbs", profile={"sft": kw}))
+
+    p = params(batch_size=16, pretrain_steps=30, pretrain_drills=8, pretrain_locate=16, locate_steps=10,
+               pretrain_batch_size=8, locate_batch_size=4)
+    assert (p.pretrain_config().batch_size, p.locate_config().batch_size, p.train_config().batch_size) == (8, 4, 16)
+    p = params(batch_size=12, pretrain_steps=30, pretrain_drills=8, pretrain_locate=16, locate_steps=10)
+    assert (p.pretrain_config().batch_size, p.locate_config().batch_size) == (12, 12)  # 0: the batch_size
+    with pytest.raises(ValueError, match="sft.locate_batch_size must be >= 0"):
+        params(locate_batch_size=-1)
+    # each phase's own knobs enter its key and the later ones' only (stages.sft.phase_keys)
+    keys = {k: sft.phase_keys(params(**{"batch_size": 16, k: v}), ("same",), {}) for k, v in
+            (("batch_size", 16), ("pretrain_batch_size", 4), ("locate_batch_size", 4), ("max_steps", 7))}
+    base = sft.phase_keys(params(batch_size=16), ("same",), {})
+    changed = {k: [p for p in sft.PHASES if v[p] != base[p]] for k, v in keys.items()}
+    assert changed == {"batch_size": [], "pretrain_batch_size": ["pretrain", "locate", "train"],
+                       "locate_batch_size": ["locate", "train"], "max_steps": ["train"]}
+    assert sft.phase_keys(params(), ("other",), {})["vision"] != sft.phase_keys(params(), ("same",), {})["vision"]
+    with_block = sft.phase_keys(params(batch_size=16), ("same",), {"locate": ["d"]})
+    assert [p for p in sft.PHASES if with_block[p] != base[p]] == ["locate", "train"]
+
 def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp_path):
     b = built
     scene = world.world_spec(load_params("world", world.Params, b.params)).scene_config()
@@ -464,6 +487,60 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     losses = [float(r[head.index("loss")]) for r in body]
     assert max(abs(x - y) for x, (_, y) in zip(losses, straight)) <= 1e-5
 
+
+
+def _states(ckpt: Path) -> dict[str, int]:
+    """Every checkpoint file under ``ckpt`` (relative path) -> its modification time in ns."""
+    return {str(f.relative_to(ckpt)): f.stat().st_mtime_ns for f in sorted(ckpt.rglob("state.pt"))}
+
+
+def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
+    """Each phase's checkpoints are keyed by everything up to it (``sft.phase_keys``): rerun into the same
+    directories with a phase-2 knob changed (``max_steps``), phases 0, 1 and the block are restored from their last
+    checkpoints (the files untouched, their metrics the same) and phase 2 starts from their weights (its first loss,
+    taken before any update on the same first batch, equal); with a phase-1 knob changed (``pretrain_lr``) phase 0
+    is kept and phase 1, the block and phase 2 train again."""
+    b = built
+    short = {"max_steps": 8, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_drills": 16,
+             "pretrain_locate": 8, "locate_steps": 4, "pretrain_zoom_captions": 4, "locate_target": 0.0,
+             "pretrain_check_drills": 4, "vision_pretrain_steps": 4, "vision_pretrain_images": 16,
+             "vision_locate_steps": 4, "vision_test_images": 24}
+    scene = world.world_spec(load_params("world", world.Params, b.params)).scene_config()
+    out = {"out": tmp_path / "out", "checkpoints": tmp_path / "ckpt", "live": tmp_path / "live",
+           "metrics": tmp_path / "m.json"}
+
+    def run(name: str, **change):
+        fp = load_params("sft", sft.Params, write_params(tmp_path, name, profile={"sft": {**short, **change}}))
+        m = sft.run(fp, b.agent, b.sft_in, out, scene=scene)
+        last = torch.load(out["checkpoints"] / f"step-{fp.max_steps:06d}" / "state.pt", weights_only=False)
+        return m, last["history"]
+
+    first, first_h = run("first")
+    before = _states(out["checkpoints"])
+    assert {k.split("/")[0] for k in before} == {"vision", "vision_locate", "pretrain", "locate", "step-000004",
+                                                 "step-000008"}
+    longer, longer_h = run("longer", max_steps=12)
+    after = _states(out["checkpoints"])
+    kept = {k: v for k, v in before.items() if not k.startswith("step-")}
+    assert {k: after[k] for k in kept} == kept  # phases 0, 1 and the block: restored, not written again
+    assert longer["resumed_from"] == 0 and longer["steps"] == 12 and len(longer_h) == 12
+    assert sorted(k for k in after if k.startswith("step-")) == ["step-000008/state.pt", "step-000012/state.pt"]
+    assert all(after[k] != v for k, v in before.items() if k in after and k.startswith("step-"))  # written anew
+    for k in ("pretrain_loss_final", "locate_loss_final", "vision_pretrain_loss_final", "vision_locate_loss_final",
+              "pretrain_check_copied", "vision_locate_test_cell", "mixed_pretrain_examples"):
+        assert longer[k] == first[k], k
+    assert abs(longer_h[0][1] - first_h[0][1]) <= 1e-6  # the same weights and first batch entering phase 2
+    # then another schedule: the first two updates are warm-up's, the same; from the third the cosine over 12 steps
+    assert max(abs(x - y) for (_, x), (_, y) in zip(longer_h[4:8], first_h[4:8])) > 1e-6
+    relearnt, _ = run("relearnt", max_steps=12, pretrain_lr=0.001)
+    again = _states(out["checkpoints"])
+    for phase in ("vision", "vision_locate"):
+        assert {k: v for k, v in again.items() if k.startswith(phase + "/")} == \
+            {k: v for k, v in after.items() if k.startswith(phase + "/")}
+    for phase in ("pretrain", "locate"):
+        assert all(again[k] != after[k] for k in after if k.startswith(phase + "/"))
+    assert relearnt["vision_pretrain_loss_final"] == first["vision_pretrain_loss_final"]
+    assert relearnt["pretrain_loss_final"] != first["pretrain_loss_final"]
 
 RELOAD = r"""
 import json, sys

@@ -143,7 +143,9 @@ def _choices(q: dict) -> dict[str, str] | None:
     return c or None
 
 
-def _final(q: dict, value: str, think: str) -> str:
+def final_turn(q: dict, value: str, think: str) -> str:
+    """The final assistant turn answering ``value`` after ``think``: the option letter when question ``q`` has
+    choices and one of them is ``value`` (case and spaces ignored), else ``value`` itself."""
     choices = _choices(q)
     if choices:
         letter = next((k for k, v in choices.items() if str(v).strip().lower() == str(value).strip().lower()), None)
@@ -243,14 +245,14 @@ def oracle_policy(question_row: dict, world: World) -> Callable[[list[dict]], st
 
     def answer_fact(dialogue: list[dict]) -> str:
         value, _ = read_fact(_last_user_text(dialogue), name, kind, str(ent[kind]))
-        return _final(q, value, f"The snippet about {name} gives {value}.")
+        return final_turn(q, value, f"The snippet about {name} gives {value}.")
 
     def policy(dialogue: list[dict]) -> str:
         n = _n_assistant(dialogue)
         if qtype == "perception":
             if n == 0:
                 return zoom()
-            return _final(q, attribute(), f"In the crop the emblem's {kind} is {attribute()}.")
+            return final_turn(q, attribute(), f"In the crop the emblem's {kind} is {attribute()}.")
         if qtype == "search":
             if n == 0:
                 return format_tool_call("image_search", {"img_idx": 0}, "Find out whose emblem this is.")

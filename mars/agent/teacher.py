@@ -51,10 +51,10 @@ import numpy as np
 from mars.agent.oracle import (
     FACT_KEYWORD,
     World,
-    _final,
     _last_user_text,
     _n_assistant,
     _question_kind,
+    final_turn,
     snippets_about,
     zone_zoom_box,
 )
@@ -238,7 +238,7 @@ def teacher_policy(
         name = name_seen(dialogue) if "image_search" in plan else None
         if step in ("text_search", "query_wrong", "requery"):
             if name is None:
-                return _final(q, "unknown", "The image search found nothing I can use.")
+                return final_turn(q, "unknown", "The image search found nothing I can use.")
             if step == "query_wrong":
                 k = plan.index("image_search")
                 titles = titles_from_observation(_obs_after(dialogue, k))
@@ -250,10 +250,10 @@ def teacher_policy(
         # answer
         if qtype == "perception":
             value = str(attribute_value(json.loads(truth["emblem"]), kind))
-            return _final(q, value, think("answer_attr", kind=ATTRIBUTE_WORDS.get(kind, kind), value=value))
+            return final_turn(q, value, think("answer_attr", kind=ATTRIBUTE_WORDS.get(kind, kind), value=value))
         value = fact_from_observation(_obs_after(dialogue, n - 1), name or "", kind, pools) if name else None
         if value is None:
-            return _final(q, "unknown", "The documents do not say; I cannot tell.")
-        return _final(q, value, think("answer_fact", name=name, value=value))
+            return final_turn(q, "unknown", "The documents do not say; I cannot tell.")
+        return final_turn(q, value, think("answer_fact", name=name, value=value))
 
     return policy

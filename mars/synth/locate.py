@@ -150,7 +150,7 @@ def _answer_turns(scene: SceneConfig, answered: tuple, target: dict, box: list[i
     """The zoom's observation (the toolbox's text, a crop of the ``target`` emblem at a zoom on ``scene``'s
     target zone) and the teacher's answer turn for a perception drill asking ``answered`` (attribute, value,
     choices)."""
-    from mars.agent.oracle import _final
+    from mars.agent.oracle import final_turn
     from mars.agent.protocol import format_tool_response
     from mars.synth.captions import zoom_crop
     from mars.tools.toolbox import zoom_text
@@ -163,7 +163,7 @@ def _answer_turns(scene: SceneConfig, answered: tuple, target: dict, box: list[i
         {"role": "user", "content": [{"type": "text", "text": format_tool_response(zoom_text(ZOOM_LABEL["perception"],
                                                                                                 0, box, 1), 1)},
                                      {"type": "image", "image": crop}]},
-        {"role": "assistant", "content": _final({"choices": choices}, value, think)},
+        {"role": "assistant", "content": final_turn({"choices": choices}, value, think)},
     ]
 
 

@@ -371,7 +371,6 @@ def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):
         params(pretrain_lr=-0.001)
 
 
-
 def test_sft_phase_batch_sizes_set_their_phase_only(tmp_path):
     def params(**kw):
         return load_params("sft", sft.Params, write_params(tmp_path, "pbs", profile={"sft": kw}))
@@ -393,6 +392,7 @@ def test_sft_phase_batch_sizes_set_their_phase_only(tmp_path):
     assert sft.phase_keys(params(), ("other",), {})["vision"] != sft.phase_keys(params(), ("same",), {})["vision"]
     with_block = sft.phase_keys(params(batch_size=16), ("same",), {"locate": ["d"]})
     assert [p for p in sft.PHASES if with_block[p] != base[p]] == ["locate", "train"]
+
 
 def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp_path):
     b = built
@@ -488,7 +488,6 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     assert max(abs(x - y) for x, (_, y) in zip(losses, straight)) <= 1e-5
 
 
-
 def _states(ckpt: Path) -> dict[str, int]:
     """Every checkpoint file under ``ckpt`` (relative path) -> its modification time in ns."""
     return {str(f.relative_to(ckpt)): f.stat().st_mtime_ns for f in sorted(ckpt.rglob("state.pt"))}
@@ -541,6 +540,7 @@ def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
         assert all(again[k] != after[k] for k in after if k.startswith(phase + "/"))
     assert relearnt["vision_pretrain_loss_final"] == first["vision_pretrain_loss_final"]
     assert relearnt["pretrain_loss_final"] != first["pretrain_loss_final"]
+
 
 RELOAD = r"""
 import json, sys

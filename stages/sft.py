@@ -16,7 +16,9 @@ What it does
        and projector alone learn to read the emblem in ``vision_pretrain_images`` zoom crops (fill colour, shape,
        letter, pattern; a throw-away attention read-out and linear heads, rate ``vision_pretrain_lr``), the stand-in
        for a base model's vision pre-training; checkpoints in ``--checkpoints``/vision; its held-out read-out
-       accuracy goes to the metrics. Its localisation half (``vision_locate_steps`` > 0, the default;
+       accuracy goes to the metrics. It needs the trajectories (the tokenizer is fitted to them) and no drills, so it
+       trains while the drills are drawn (:func:`play_and_draw`'s ``meanwhile``; ``beside_drawing_s`` in the
+       metrics), on the cores the drawing leaves. Its localisation half (``vision_locate_steps`` > 0, the default;
        :func:`vision_locate`): the tower and projector alone learn which grid cell of the localisation drills'
        scenes is framed (a cell read-out, rate ``vision_lr``; checkpoints in ``--checkpoints``/vision_locate;
        held-out cell accuracy in the metrics), so the block below only has to route what the tower already sees into
@@ -80,7 +82,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -401,16 +403,20 @@ def reading_dialogues(params: Params, agent: AgentParams, world_dir: Path, index
 
 
 def play_and_draw(params: Params, agent: AgentParams, inputs: dict[str, Path], all_questions: list[dict],
-                  scene: SceneConfig | None, system: str, attributes: Sequence[str] | None, workers: int = 1
+                  scene: SceneConfig | None, system: str, attributes: Sequence[str] | None, workers: int = 1,
+                  meanwhile: Callable[[list], None] | None = None
                   ) -> tuple[list, dict, list[list[dict]], list[list[dict]], list[list[dict]]]:
     """The teacher plays the sft split here while ``workers`` processes draw phase 1's dialogues with its check
     drills (:func:`reading_dialogues`) and the block's (:func:`locate_block_dialogues`): all three mostly
     single-threaded Python (the drills' image searches, the block's scenes and crops), the same draws as in this
-    process. Returns (trajectories, teacher stats with ``drills_wait_s``: how long the drawing outlasted the
-    teacher, phase 1's dialogues, the block's, the check drills). One worker (the stage's) draws the two in turn;
-    two draw them at once, which on two cores did not shorten the step (the colour profile's data: teacher and
-    drawing 5.8 minutes with one worker, run P3, 5.6 with two, run P5; README, session 25), as the teacher and
-    one worker already hold both cores; ``bench/probe_drawing.py`` times both."""
+    process. Then ``meanwhile(trajectories)``, if given, runs here while the drawing goes on (the stage builds the
+    model and trains phase 0's reading: what needs the trajectories and not the drills), with ``workers`` fewer
+    torch threads, as the drawing holds that many cores. Returns (trajectories, teacher stats with
+    ``beside_drawing_s``: the seconds of ``meanwhile``, and ``drills_wait_s``: how long the drawing outlasted the
+    teacher and ``meanwhile``, phase 1's dialogues, the block's, the check drills). One worker (the stage's) draws
+    the two in turn; two draw them at once, which on two cores did not shorten the step (the colour profile's data:
+    teacher and drawing 5.8 minutes with one worker, run P3, 5.6 with two, run P5; README, session 25), as the
+    teacher and one worker already hold both cores; ``bench/probe_drawing.py`` times both."""
     import multiprocessing as mp
 
     if workers not in (1, 2):
@@ -423,6 +429,14 @@ def play_and_draw(params: Params, agent: AgentParams, inputs: dict[str, Path], a
         questions = [q for q in all_questions if q["split"] == "sft"]
         trajs, stats = teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
                                             inputs["index_dir"])
+        if meanwhile is not None:
+            t0, threads = time.perf_counter(), torch.get_num_threads()
+            torch.set_num_threads(max(1, threads - workers))  # a thread on a drawing core stalls every parallel op
+            try:
+                meanwhile(trajs)
+            finally:
+                torch.set_num_threads(threads)
+            stats["beside_drawing_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
         (pretrain, held_out), locate = reading.get(), block.get()
         stats["drills_wait_s"] = round(time.perf_counter() - t0, 1)
@@ -576,32 +590,44 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     system = (system_prompt if agent.prompt == "full" else compact_system_prompt)(TOOL_SCHEMAS)
     attributes = asked_attributes(all_questions)  # the localisation drills ask what the questions ask
     pretrain, locate, held_out = [], [], []
-    if not (params.pretrain_steps or params.locate_steps):
-        trajs, stats = teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
-                                            inputs["index_dir"])
-    else:
-        trajs, stats, pretrain, locate, held_out = play_and_draw(params, agent, inputs, all_questions, scene, system,
-                                                                 attributes)
-    model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs, system))
-    dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
-    examples = render_examples(dialogues, proc, params.max_len, desc="rendering trajectories")
-    _check_masks(examples, tok)
-    # the code, the world's scene knobs, the tokenizer and each phase's data are in its key: a code change never
-    # resumes old weights, nor does a change of the world or index inputs, which the questions file's hash does
-    # not cover; a change of a later phase's knobs keeps the phases before it
-    common = (asdict(agent), asdict(scene) if scene is not None else None, _file_hash(inputs["questions"]),
-              tokenizer_digest(tok), source_digest())
-    d_pre, d_loc, d_held = (dialogues_digest(d) for d in (pretrain, locate, held_out))
-    keys = phase_keys(params, common, {"vision_locate": [d_loc if locate else d_pre], "pretrain": [d_pre, d_held],
-                                       "locate": [d_loc], "train": [dialogues_digest(dialogues)]})
     pre_stats: dict = {}
-    pool: list = []  # phase 1's and the block's examples, which phase 2 mixes in
+    stack: dict = {}  # what prepare() builds
     with atomic_dir(outputs["out"]) as out:
+        def prepare(trajs: list) -> None:
+            """Everything that needs the teacher's trajectories and not the drills, beside the drawing when there is
+            one (:func:`play_and_draw`): the model and tokenizer, the untrained base checkpoint, the trajectories'
+            examples and phase 0's reading (its own crops; the colour profile's ~2.5 minutes)."""
+            model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs,
+                                                                          system))
+            save_checkpoint(model, tok, proc, out / "base")
+            dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
+            examples = render_examples(dialogues, proc, params.max_len, desc="rendering trajectories")
+            _check_masks(examples, tok)
+            # the code, the world's scene knobs, the tokenizer and each phase's data are in its key: a code change
+            # never resumes old weights, nor does a change of the world or index inputs, which the questions file's
+            # hash does not cover; a change of a later phase's knobs keeps the phases before it
+            common = (asdict(agent), asdict(scene) if scene is not None else None, _file_hash(inputs["questions"]),
+                      tokenizer_digest(tok), source_digest())
+            stack.update(model=model, tok=tok, proc=proc, examples=examples, common=common,
+                         d_train=dialogues_digest(dialogues))
+            if params.vision_pretrain_steps:  # phase 0's reading trains on no drawn data: its key is the first
+                pre_stats.update(vision_pretrain(params, model, proc, scene, outputs["checkpoints"] / "vision",
+                                                 phase_keys(params, common, {})["vision"]))
+
+        if not (params.pretrain_steps or params.locate_steps):
+            trajs, stats = teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
+                                                inputs["index_dir"])
+            prepare(trajs)
+        else:
+            trajs, stats, pretrain, locate, held_out = play_and_draw(params, agent, inputs, all_questions, scene,
+                                                                     system, attributes, meanwhile=prepare)
+        model, tok, proc, examples = stack["model"], stack["tok"], stack["proc"], stack["examples"]
+        d_pre, d_loc, d_held = (dialogues_digest(d) for d in (pretrain, locate, held_out))
+        keys = phase_keys(params, stack["common"], {"vision_locate": [d_loc if locate else d_pre],
+                                                    "pretrain": [d_pre, d_held], "locate": [d_loc],
+                                                    "train": [stack["d_train"]]})
+        pool: list = []  # phase 1's and the block's examples, which phase 2 mixes in
         write_artifacts({out / "trajectories.parquet": (trajectories_table(trajs), "trajectories")})
-        save_checkpoint(model, tok, proc, out / "base")
-        if params.vision_pretrain_steps:
-            pre_stats |= vision_pretrain(params, model, proc, scene, outputs["checkpoints"] / "vision",
-                                         keys["vision"])
         if params.vision_locate_steps:
             pre_stats |= vision_locate(params, model, proc, scene, locate or pretrain,
                                        outputs["checkpoints"] / "vision_locate", keys["vision_locate"],

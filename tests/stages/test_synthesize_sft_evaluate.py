@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from mars.agent.config import AgentParams
+from mars.model.build import build_model, load_checkpoint
 from mars.params import load_params
 from mars.world.questions import asked_attribute, asked_attributes
 from stages import curate, evaluate, index, sft, synthesize, world
@@ -244,7 +245,6 @@ def test_sft_loss_trajectories_and_masks(trained):
 def test_sft_checkpoint_plays_well_formed_episodes(trained):
     from mars.agent.engine import run_episodes
     from mars.agent.hf_backend import HFBackend
-    from mars.model.build import load_checkpoint
 
     b = trained
     qs = questions(b, "sft")
@@ -498,7 +498,8 @@ def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
     directories with a phase-2 knob changed (``max_steps``), phases 0, 1 and the block are restored from their last
     checkpoints (the files untouched, their metrics the same) and phase 2 starts from their weights (its first loss,
     taken before any update on the same first batch, equal); with a phase-1 knob changed (``pretrain_lr``) phase 0
-    is kept and phase 1, the block and phase 2 train again."""
+    is kept and phase 1, the block and phase 2 train again. Phase 0's reading trains while the drills are drawn
+    (``beside_drawing_s``), after the untrained model was saved: ``base/`` is the seed's fresh init."""
     b = built
     short = {"max_steps": 8, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_drills": 16,
              "pretrain_locate": 8, "locate_steps": 4, "pretrain_zoom_captions": 4, "locate_target": 0.0,
@@ -515,6 +516,11 @@ def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
         return m, last["history"]
 
     first, first_h = run("first")
+    assert first["beside_drawing_s"] > 0 and first["drills_wait_s"] >= 0
+    base, _, _ = load_checkpoint(out["out"] / "base")
+    fresh = build_model(base.config, seed=load_params("sft", sft.Params, b.params).seed).state_dict()
+    assert base.state_dict().keys() == fresh.keys()
+    assert all(torch.equal(v, fresh[k]) for k, v in base.state_dict().items())
     before = _states(out["checkpoints"])
     assert {k.split("/")[0] for k in before} == {"vision", "vision_locate", "pretrain", "locate", "step-000004",
                                                  "step-000008"}

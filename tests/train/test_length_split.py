@@ -55,10 +55,13 @@ def test_split_batches_train_the_same_run_as_whole_ones(tmp_path):
         runs[k] = ([l for _, l in res["history"]], model.state_dict())
     whole_losses, whole_state = runs[1]
     assert whole_losses[-1] < whole_losses[0]  # it trains
+    # weights to 5e-5: Adam divides by the root of the squared-gradient average, so a parameter whose gradient is
+    # near zero turns the split's rounding into a visible step (measured on an AMD EPYC: one of 61,056 embedding
+    # weights 1.07e-5 apart at k=4, every other one under 1e-5); a wrong split moves weights by ~lr (2e-3) a step
     for k in (2, 4):
         losses, state = runs[k]
         assert losses == pytest.approx(whole_losses, rel=1e-5)
         for name, w in whole_state.items():
-            assert torch.allclose(state[name], w, atol=1e-5), (k, name)
+            assert torch.allclose(state[name], w, atol=5e-5), (k, name)
     with pytest.raises(ValueError, match="length_split must be >= 1"):
         SFTConfig(length_split=0)

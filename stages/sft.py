@@ -166,6 +166,7 @@ class Params:
     group_batches: int = 1  # phase 2's length-grouped batches: runs of this many batches sorted by length (1 = off)
     pretrain_group_batches: int = 1  # phase 1's (1 = plain shuffled batches)
     length_split: int = 1  # every phase's batches run as this many sub-batches of similar length (the same gradient)
+    compile: bool = False  # every phase's text decoder layers through torch.compile (the same maths to rounding)
     max_steps: int = 350
     lr: float = 2e-3
     pretrain_lr: float = 0.0  # phase 1's language-model rate (0 = lr; the vision rate stays vision_lr)
@@ -309,7 +310,7 @@ class Params:
         return SFTConfig(optim=optim, batch_size=batch_size or self.batch_size, grad_accum=self.grad_accum,
                          checkpoint_every=self.checkpoint_every, precision=self.precision, seed=self.seed,
                          group_batches=self.group_batches if group_batches is None else group_batches,
-                         length_split=self.length_split)
+                         length_split=self.length_split, compile=self.compile)
 
 
 def teacher_trajectories(params: Params, agent: AgentParams, questions: list[dict], image_root: Path,

@@ -11,7 +11,9 @@ What it does
     ZeRO-2/3 when ``optim.deepspeed_stage`` asks for it); bf16 autocast when ``precision="bf16"`` and the device
     supports it. Every ``checkpoint_every`` steps it saves model, optimizer, scheduler, RNG states, step and sampler
     position (:mod:`mars.train.checkpoint`); a rerun with the same fingerprint resumes from the newest checkpoint and
-    reproduces the uninterrupted loss curve exactly on CPU. An optional stopping check (``until``) is asked after
+    reproduces the uninterrupted loss curve exactly on CPU. With ``compile`` the text decoder layers run through
+    ``torch.compile`` during the steps (:class:`mars.model.build.CompiledTextLayers`: faster, the same maths to
+    float rounding). An optional stopping check (``until``) is asked after
     each checkpoint: the localisation block stops once its first zoom frames held-out scenes. Curves go to dvclive
     (``dvc plots show``); a tqdm bar shows progress. Returns a summary: steps, final and first losses, tokens/s,
     the share of step time spent collating batches, and peak memory.
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from mars.model.build import CompiledTextLayers
 from mars.model.chat import Rendered
 from mars.train.checkpoint import latest_state, open_live, rng_state, save_state, set_rng_state
 from mars.train.data import EpochSampler, collate, label_logits, length_chunks
@@ -57,6 +60,7 @@ class SFTConfig:
     seed: int = 0
     group_batches: int = 1  # length-grouped batches (mars.train.data.EpochSampler); 1 = plain shuffle
     length_split: int = 1  # each micro-batch run as this many sub-batches of similar length (the same gradient)
+    compile: bool = False  # the text decoder layers' forward and backward through torch.compile (CompiledTextLayers)
 
     def __post_init__(self) -> None:
         if min(self.batch_size, self.grad_accum, self.checkpoint_every, self.group_batches, self.length_split) < 1:
@@ -115,6 +119,10 @@ def train_sft(
     """
     torch.manual_seed(cfg.seed)
     stepper = make_stepper(model, cfg.optim)
+    if cfg.compile and cfg.optim.deepspeed_stage:
+        log.warning("sft compile is for the plain torch trainer; with DeepSpeed ZeRO-%d the layers run eager",
+                    cfg.optim.deepspeed_stage)
+    compiled = CompiledTextLayers(model, enabled=cfg.compile and not cfg.optim.deepspeed_stage)
     lengths = [len(e.input_ids) for e in examples]
     sampler = EpochSampler(len(examples), cfg.batch_size * cfg.grad_accum, cfg.seed, lengths=lengths,
                            group_batches=cfg.group_batches)
@@ -147,12 +155,13 @@ def train_sft(
         t1 = time.perf_counter()
         n_tok = sum(b.n_tokens for b in batches)
         total = 0.0
-        for b in batches:
-            with _autocast(cfg.precision):
-                logits, labels, _ = label_logits(stepper.module, b)  # [M, V], [M]
-            loss = token_loss(logits, labels) / max(n_tok, 1)
-            stepper.backward(loss)
-            total += float(loss.detach())
+        with compiled:  # the backward runs the compiled graphs too, so it stays inside
+            for b in batches:
+                with _autocast(cfg.precision):
+                    logits, labels, _ = label_logits(stepper.module, b)  # [M, V], [M]
+                loss = token_loss(logits, labels) / max(n_tok, 1)
+                stepper.backward(loss)
+                total += float(loss.detach())
         lrs = stepper.lrs()
         grad_norm = stepper.step()
         t2 = time.perf_counter()
@@ -193,5 +202,6 @@ def train_sft(
         "tokens_per_s": round(n_tok_total / t_total, 1) if t_total else None,
         "data_share": round(t_data / t_total, 4) if t_total else None,
         "peak_rss_mb": round(peak_rss_mb(), 1),
+        "compiled": compiled.enabled,
         "history": history,
     }

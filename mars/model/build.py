@@ -207,16 +207,17 @@ def cpp_compiler() -> str | None:
 class CompiledTextLayers:
     """Inside ``with`` the text decoder layers of ``model`` run through ``torch.compile`` (inductor, dynamic
     shapes); outside, the model is exactly as it was (the layer objects themselves, so ``state_dict`` keys,
-    checkpoints, generation and DeepSpeed see no wrapper).
+    checkpoints and generation see no wrapper).
 
     Why only the text layers: they are most of a training step's time, and the compiled layer fuses the small
-    elementwise work around the attention and MLP matrix products (norms, rotary, SiLU gate, residual adds): on
-    the tiny 8-head model a step of 16 mixed dialogues took 0.58 s instead of 0.78 (bench/bench_sft.py; README).
-    The vision tower loops over images in Python (one attention call per image) and recompiles for every image
-    count, and generation passes a growing KV cache: both stay eager. The first step compiles (about 40 s on 2
-    cores); values equal the eager layers' to float rounding, so a compiled run is reproducible but not equal to
-    an eager one bit for bit. ``enabled`` False, or no C++ compiler on the machine (:func:`cpp_compiler`; a
-    warning says so), makes it a no-op."""
+    elementwise work around the attention and MLP matrix products (norms, rotary, SiLU gate, residual adds): the
+    colour profile's 8-head model trained its phases 1.3-1.7x faster (sft 27.6 minutes instead of 35.8), the
+    default's 4-head one no faster; bench/bench_sft.py 1.16x a step at 8 heads (README, session 28). The vision
+    tower loops over images in Python (one attention call per image) and recompiles for every image count, and
+    generation passes a growing KV cache: both stay eager. The first step compiles (14-40 s on 2 cores); values
+    equal the eager layers' to float rounding, so a compiled run is reproducible but not equal to an eager one bit
+    for bit. ``enabled`` False, or no C++ compiler on the machine (:func:`cpp_compiler`; a warning says so), makes
+    it a no-op (:func:`mars.train.sft.train_sft` passes False under DeepSpeed, whose engine is left alone)."""
 
     def __init__(self, model: torch.nn.Module, enabled: bool = True):
         layers = model.model.language_model.layers if enabled else None

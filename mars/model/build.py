@@ -211,7 +211,7 @@ class CompiledTextLayers:
 
     Why only the text layers: they are most of a training step's time, and the compiled layer fuses the small
     elementwise work around the attention and MLP matrix products (norms, rotary, SiLU gate, residual adds): the
-    colour profile's 8-head model trained its phases 1.3-1.7x faster (sft 27.6 minutes instead of 35.8), the
+    colour profile's 8-head model trained its phases 1.3-1.4x faster (sft 27.6 minutes instead of 35.8), the
     default's 4-head one no faster; bench/bench_sft.py 1.16x a step at 8 heads (README, session 28). The vision
     tower loops over images in Python (one attention call per image) and recompiles for every image count, and
     generation passes a growing KV cache: both stay eager. The first step compiles (14-40 s on 2 cores); values

@@ -214,7 +214,7 @@ class CompiledTextLayers:
     colour profile's 8-head model trained its phases 1.3-1.4x faster (sft 27.6 minutes instead of 35.8), the
     default's 4-head one no faster; bench/bench_sft.py 1.16x a step at 8 heads (README, session 28). The vision
     tower loops over images in Python (one attention call per image) and recompiles for every image count, and
-    generation passes a growing KV cache: both stay eager. The first step compiles (14-40 s on 2 cores); values
+    generation passes a growing KV cache: both stay eager. The first step compiles (14-28 s on 2 cores); values
     equal the eager layers' to float rounding, so a compiled run is reproducible but not equal to an eager one bit
     for bit. ``enabled`` False, or no C++ compiler on the machine (:func:`cpp_compiler`; a warning says so), makes
     it a no-op (:func:`mars.train.sft.train_sft` passes False under DeepSpeed, whose engine is left alone)."""

@@ -39,13 +39,16 @@ What it does
        ``lr`` and ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision
        tower needs (README: localisation); without phase 1's examples the block erased the copying phase 1 taught
        (README). With ``locate_target`` > 0 the block stops early once the model's greedy first zoom frames that
-       share of ``locate_check_scenes`` held-out scenes (asked at every checkpoint: :func:`locate_check`; the
-       metrics' ``locate_check_framed`` is the share of the block's last weights), so ``locate_steps`` is a
-       ceiling: a fixed 200-step block framed 80 of 80 test scenes in one run and 19 in another (README, session
-       17). Phase 1 likewise, with ``pretrain_target`` > 0: it stops once its greedy replies copy that share of
-       ``pretrain_check_drills`` held-out reading drills right (another seed, so new stand-in names; asked at the
-       checkpoints from step ``pretrain_check_from`` on: :func:`copy_check`; the metrics' ``pretrain_check_copied``
-       is the share of phase 1's last weights, scored with or without a target), so ``pretrain_steps`` is a ceiling.
+       share of ``locate_check_scenes`` held-out scenes (asked at every checkpoint from step ``locate_check_from``
+       on: :func:`locate_check`; the metrics' ``locate_check_framed`` is the share of the block's last weights), so
+       ``locate_steps`` is a ceiling: a fixed 200-step block framed 80 of 80 test scenes in one run and 19 in
+       another (README, session 17). With ``locate_read_target`` > 0 the check also needs the read: the greedy
+       answer after the teacher's right zoom is the teacher's on that share of as many held-out answered drills
+       (``locate_check_read``): the colour profile's second link (README, session 29). Phase 1 likewise, with
+       ``pretrain_target`` > 0: it stops once its greedy replies copy that share of ``pretrain_check_drills``
+       held-out reading drills right (another seed, so new stand-in names; asked at the checkpoints from step
+       ``pretrain_check_from`` on: :func:`copy_check`; the metrics' ``pretrain_check_copied`` is the share of phase
+       1's last weights, scored with or without a target), so ``pretrain_steps`` is a ceiling.
        Measured (README, session 21): the held-out share plateaus near 70% on seeds 0 and 2 once the loss is low,
        and neither the check (seed 0 stopped at step 1,950) nor a longer phase 1 (seed 2, 3,000 steps) raised the
        SFT score, so the default has no target. Phase 1's and the block's dialogues (and the check's drills) are
@@ -107,7 +110,8 @@ PHASES = ("vision", "vision_locate", "pretrain", "locate", "train")
 PHASE_KNOBS = {
     "pretrain": ("pretrain_steps", "pretrain_batch_size", "pretrain_lr", "pretrain_group_batches", "pretrain_target",
                  "pretrain_check_drills", "pretrain_check_from"),
-    "locate": ("locate_steps", "locate_batch_size", "locate_target", "locate_check_scenes", "locate_mix"),
+    "locate": ("locate_steps", "locate_batch_size", "locate_target", "locate_check_scenes", "locate_mix",
+               "locate_read_target", "locate_check_from"),
     "train": ("max_steps", "group_batches", "mix_pretrain"),
 }
 log = logging.getLogger(__name__)
@@ -133,6 +137,9 @@ class Params:
     locate_steps: int = 0  # > 0: the pretrain_locate drills get a block of their own, these steps after phase 1
     locate_target: float = 0.0  # > 0: the block stops once its first zoom frames this share of held-out scenes
     locate_check_scenes: int = 40  # the held-out scenes of that check (asked at every checkpoint)
+    locate_read_target: float = 0.0  # > 0: the check also needs the answer after the teacher's right zoom on this
+    #                                  share of as many held-out answered drills (the read, once the frame holds)
+    locate_check_from: int = 0  # the block's check is asked at the checkpoints from this step on
     pretrain_target: float = 0.0  # > 0: phase 1 stops once its greedy replies copy this share of held-out drills
     #                               (0: they are only scored after phase 1: pretrain_check_copied in the metrics)
     pretrain_check_drills: int = 60  # the held-out reading drills of that check (another seed: fresh names)
@@ -242,6 +249,14 @@ class Params:
                              f"{self.locate_target}")
         if self.locate_check_scenes < 1:
             raise ValueError(f"sft.locate_check_scenes must be >= 1, got {self.locate_check_scenes}")
+        if not 0.0 <= self.locate_read_target <= 1.0:
+            raise ValueError(f"sft.locate_read_target must be in [0, 1] (0 = the frame alone), got "
+                             f"{self.locate_read_target}")
+        if self.locate_read_target and not (self.locate_target and self.locate_answers):
+            raise ValueError("sft.locate_read_target > 0 adds the read to the block's check, which needs the check "
+                             "(sft.locate_target > 0) and answered drills to learn it from (sft.locate_answers > 0)")
+        if self.locate_check_from < 0:
+            raise ValueError(f"sft.locate_check_from must be >= 0, got {self.locate_check_from}")
         if not 0.0 <= self.pretrain_target <= 1.0:
             raise ValueError(f"sft.pretrain_target must be in [0, 1] (0 = run all sft.pretrain_steps), got "
                              f"{self.pretrain_target}")
@@ -650,11 +665,10 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
             pre_stats |= {f"{name}_examples": len(block), f"{name}_loss_first": res["loss_first"],
                           f"{name}_loss_final": res["loss_final"], f"{name}_tokens_per_s": res["tokens_per_s"],
                           f"{name}_steps_run": res["steps"]}
-            if check is not None:  # the held-out share of the phase's last weights
-                if not check.history or check.history[-1][0] != res["steps"]:  # ran to its ceiling, or restored
-                    check.measure(model, res["steps"])
-                pre_stats[f"{name}_check_{check.metric}"] = check.history[-1][1]
-                log.info("%s check (step, share %s): %s", name, check.metric, check.history)
+            if check is not None:  # the held-out shares of the phase's last weights (not rescored if just asked)
+                pre_stats |= {f"{name}_check_{k}": v for k, v in check.scores(model, res["steps"]).items()}
+                log.info("%s check (step, share): %s%s", name, check.history,
+                         f"; read {check.reads}" if getattr(check, "reads", None) else "")
             if kept:
                 pre_stats[f"{name}_mixed_examples"] = len(kept)
             pool += block
@@ -674,13 +688,15 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
 
 def locate_check(params: Params, proc, scene: SceneConfig, system: str, attributes: Sequence[str] | None):
     """The localisation block's stopping check (:class:`mars.synth.locate.LocateCheck`; None when
-    ``locate_target`` is 0): ``locate_check_scenes`` held-out scenes, drawn with another seed than the drills."""
+    ``locate_target`` is 0): ``locate_check_scenes`` held-out scenes, drawn with another seed than the drills, and
+    as many answered drills when ``locate_read_target`` > 0; asked from step ``locate_check_from`` on."""
     from mars.synth.locate import LocateCheck
 
     if not params.locate_target:
         return None
     return LocateCheck(proc, scene, n=params.locate_check_scenes, target=params.locate_target,
-                       seed=params.seed + 99, system=system, attributes=attributes)
+                       seed=params.seed + 99, system=system, attributes=attributes,
+                       read_target=params.locate_read_target, min_step=params.locate_check_from)
 
 
 def copy_check(params: Params, proc, drills: list[list[dict]]):

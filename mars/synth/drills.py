@@ -364,8 +364,6 @@ class CopyCheck:
     ``target`` 0 (it returns False there without generating; :meth:`measure` still scores the model). ``history``
     keeps (step, copied share) of every check it ran."""
 
-    metric = "copied"
-
     def __init__(self, processor, drills: list[list[dict]], *, target: float, min_step: int = 0,
                  max_new_tokens: int = 96) -> None:
         if not drills or not 0.0 <= target <= 1.0:
@@ -377,13 +375,19 @@ class CopyCheck:
         self.history: list[tuple[int, float]] = []
 
     def measure(self, model, step: int) -> float:
-        """The share of the held-out drills ``model`` copies right (greedy), recorded in ``history`` for ``step``."""
+        """The share of the held-out drills ``model`` copies right (greedy), recorded in ``history`` for ``step``
+        (scored once a step)."""
         from mars.agent.hf_backend import HFBackend
 
-        outs = HFBackend(model, self.processor).generate(self.prompts, max_new_tokens=self.max_new_tokens)
-        share = sum(copied(o.text, r) for o, r in zip(outs, self.references)) / len(self.prompts)
-        self.history.append((step, round(share, 4)))
-        return share
+        if not self.history or self.history[-1][0] != step:
+            outs = HFBackend(model, self.processor).generate(self.prompts, max_new_tokens=self.max_new_tokens)
+            share = sum(copied(o.text, r) for o, r in zip(outs, self.references)) / len(self.prompts)
+            self.history.append((step, round(share, 4)))
+        return self.history[-1][1]
+
+    def scores(self, model, step: int) -> dict[str, float]:
+        """``{"copied": share}`` for ``model`` at ``step`` (scored once a step; the stage's metric after phase 1)."""
+        return {"copied": self.measure(model, step)}
 
     def __call__(self, model, step: int) -> bool:
         return bool(self.target) and step >= self.min_step and self.measure(model, step) >= self.target

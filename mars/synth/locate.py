@@ -250,25 +250,52 @@ def read_count(model, processor, prompts: list[list[dict]], answers: list[str], 
 
 class LocateCheck:
     """A stopping check for training on localisation drills (:func:`mars.train.sft.train_sft`'s ``until``): True
-    once the model's greedy first zoom frames at least ``target`` (a share) of ``n`` held-out scenes. ``history``
-    keeps (step, framed share) of every check."""
+    once the model's greedy first zoom frames at least ``target`` (a share) of ``n`` held-out scenes
+    (:func:`held_out_drills`) and, with ``read_target`` > 0, its greedy answer after the teacher's right zoom is the
+    teacher's on at least that share of ``n`` held-out answered drills (:func:`held_out_reads`, asked only once the
+    frame holds: the read is the slower link, and a check that fails on the frame costs one generation). Not asked
+    before ``min_step``. ``history`` keeps (step, framed share) of every check, ``reads`` (step, read share); a reply
+    is cut at ``max_new_tokens`` (a zoom call longer than that is a miss)."""
 
     def __init__(self, processor, scene: SceneConfig, *, n: int, target: float, seed: int,
-                 system: str | None = None, attributes: Sequence[str] | None = None) -> None:
-        if n < 1 or not 0.0 < target <= 1.0:
-            raise ValueError(f"a localisation check needs n >= 1 and 0 < target <= 1, got {n}, {target}")
+                 system: str | None = None, attributes: Sequence[str] | None = None, read_target: float = 0.0,
+                 min_step: int = 0, max_new_tokens: int = 96) -> None:
+        if n < 1 or not 0.0 < target <= 1.0 or not 0.0 <= read_target <= 1.0:
+            raise ValueError(f"a localisation check needs n >= 1, 0 < target <= 1 and 0 <= read_target <= 1, got "
+                             f"{n}, {target}, {read_target}")
         self.processor, self.scene, self.target = processor, scene, target
+        self.read_target, self.min_step, self.max_new_tokens = read_target, min_step, max_new_tokens
         self.prompts, self.truth = held_out_drills(scene, n, seed, system, attributes)
+        self.reading, self.answers = (held_out_reads(scene, n, seed, system, attributes) if read_target
+                                      else ([], []))
         self.history: list[tuple[int, float]] = []
+        self.reads: list[tuple[int, float]] = []
 
-    metric = "framed"
+    def framed(self, model, step: int) -> float:
+        """The share of the held-out scenes ``model`` frames, recorded in ``history`` for ``step`` (once a step)."""
+        if not self.history or self.history[-1][0] != step:
+            share = framed_count(model, self.processor, self.scene, self.prompts, self.truth,
+                                 self.max_new_tokens) / len(self.prompts)
+            self.history.append((step, round(share, 4)))
+        return self.history[-1][1]
 
-    def measure(self, model, step: int) -> float:
-        """The share of the held-out scenes ``model`` frames, recorded in ``history`` for ``step``."""
-        share = framed_count(model, self.processor, self.scene, self.prompts, self.truth) / len(self.prompts)
-        self.history.append((step, round(share, 4)))
-        return share
+    def read(self, model, step: int) -> float:
+        """The share of the held-out answered drills ``model`` answers as the teacher, recorded in ``reads`` for
+        ``step`` (once a step)."""
+        if not self.reading:
+            raise ValueError("this localisation check has no read drills: give it read_target > 0")
+        if not self.reads or self.reads[-1][0] != step:
+            share = read_count(model, self.processor, self.reading, self.answers,
+                               self.max_new_tokens) / len(self.reading)
+            self.reads.append((step, round(share, 4)))
+        return self.reads[-1][1]
+
+    def scores(self, model, step: int) -> dict[str, float]:
+        """Each link's share for ``model`` at ``step`` (each scored once a step): ``framed``, and ``read`` with
+        ``read_target`` > 0 (the stage's metrics after the block)."""
+        return {"framed": self.framed(model, step), **({"read": self.read(model, step)} if self.read_target else {})}
 
     def __call__(self, model, step: int) -> bool:
-        return self.measure(model, step) >= self.target
-
+        if step < self.min_step or self.framed(model, step) < self.target:
+            return False
+        return not self.read_target or self.read(model, step) >= self.read_target

@@ -418,13 +418,13 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     """A short run (4 steps of vision pre-training for reading and 4 for localisation, 8 pre-training steps on
     captions and reading drills, 8 steps of the vision block (localisation drills and zoom captions; its stopping
-    check asked at step 4, as phase 1's copy check), then 16 steps, a checkpoint every 4): SIGKILLed once a
+    check, of the frame and the read, asked at step 4, as phase 1's copy check), then 16 steps, a checkpoint every 4): SIGKILLed once a
     checkpoint of the last phase exists, rerun, and compared with an uninterrupted in-process run of the same params
     (a short run keeps this test cheap), with length-grouped batches and chain drills."""
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
              "pretrain_drills": 16, "pretrain_locate": 8, "locate_steps": 8, "pretrain_zoom_captions": 4,
-             "locate_target": 0.9, "locate_check_scenes": 8,
+             "locate_target": 0.9, "locate_check_scenes": 8, "locate_answers": 0.5, "locate_read_target": 0.5,
              "pretrain_target": 0.99, "pretrain_check_drills": 4, "pretrain_check_from": 4,
              "mix_pretrain": 0.25, "locate_mix": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16,
              "vision_locate_steps": 4, "group_batches": 2, "drill_chains": 0.5, "vision_test_images": 24}
@@ -463,6 +463,10 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     # the rerun restored the block from its final checkpoint instead of training it
     assert 0.0 <= straight_m["locate_check_framed"] <= 1.0
     assert m["locate_check_framed"] == straight_m["locate_check_framed"]
+    # with locate_read_target the read of 8 held-out answered drills is reported beside it (scored at step 8 even
+    # though the frame did not hold: the metric is both links of the last weights)
+    assert 0.0 <= straight_m["locate_check_read"] <= 1.0
+    assert m["locate_check_read"] == straight_m["locate_check_read"]
     # phase 2 mixes in a quarter of phase-1 examples: one per three trajectories, the same draw after the resume
     assert m["mixed_pretrain_examples"] == straight_m["mixed_pretrain_examples"] == round(m["examples"] / 3)
     assert m["pretrain_loss_final"] == pytest.approx(straight_m["pretrain_loss_final"], abs=1e-6)

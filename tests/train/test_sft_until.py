@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from mars.model.chat import render
 from mars.synth.locate import LocateCheck, held_out_drills, locate_dialogues, zoom_cell
@@ -85,5 +86,48 @@ def test_locate_check_scores_held_out_scenes_against_the_teachers_cell():
     model = copy.deepcopy(base).eval()
     assert check(model, 50) is False  # a random-init model writes no zoom call: 0 of 6 framed
     assert check.history == [(50, 0.0)]
-    with pytest.raises(ValueError, match="a localisation check needs n >= 1 and 0 < target <= 1"):
+    assert check.reads == [] and check.scores(model, 50) == {"framed": 0.0}  # no read asked; not rescored
+    assert check.history == [(50, 0.0)]
+    with pytest.raises(ValueError, match="a localisation check needs n >= 1, 0 < target <= 1 and 0 <= read_target"):
         LocateCheck(proc, scene, n=6, target=0.0, seed=99)
+    with pytest.raises(ValueError, match="0 <= read_target <= 1"):
+        LocateCheck(proc, scene, n=6, target=0.5, seed=99, read_target=1.5)
+
+
+def _memorised(base, proc, dialogues: list[list[dict]], tmp_path) -> torch.nn.Module:
+    """A copy of ``base`` trained on ``dialogues`` until it writes their assistant turns back (greedy)."""
+    examples = [render(d, proc) for d in dialogues]
+    cfg = SFTConfig(optim=OptimConfig(lr=3e-3, warmup_steps=0, schedule="constant", max_steps=100),
+                    batch_size=len(examples), checkpoint_every=1000, seed=0)
+    model = copy.deepcopy(base)
+    train_sft(model, examples, cfg, pad_id=proc.tokenizer.pad_token_id, ckpt_dir=tmp_path, live_dir=None, fp="m")
+    return model.eval()
+
+
+def test_locate_check_with_a_read_target_needs_the_frame_and_then_the_read(tmp_path):
+    """With ``read_target`` > 0 the check passes only once the first zoom frames the held-out scene and the answer
+    after the teacher's zoom is the teacher's; the read is asked only once the frame holds, nothing before
+    ``min_step``. Models: the tiny random-init one (frames nothing), one that memorised the held-out drill's zoom
+    (frames it, reads nothing) and one that memorised the zoom and the answer (both)."""
+    from mars.synth.locate import held_out_reads
+
+    _, proc, base = tiny_stack()
+    scene = WorldSpec.smoke().scene_config()
+    check = LocateCheck(proc, scene, n=1, target=1.0, seed=99, system="sys", attributes=["colour"],
+                        read_target=1.0, min_step=4, max_new_tokens=160)  # the tiny vocabulary's zoom: 147
+    reads, answers = held_out_reads(scene, 1, seed=99, system="sys", attributes=["colour"])
+    assert (check.reading, check.answers) == (reads, answers) and answers[0] != ""
+    zoom = locate_dialogues(scene, n=1, seed=99, system="sys", attributes=["colour"])
+    answered = [reads[0] + [{"role": "assistant", "content": f"<think>the fill</think><answer>{answers[0]}</answer>"}]]
+
+    assert check(base, 2) is False and check.history == [] and check.reads == []  # before min_step: not asked
+    assert check(base, 4) is False and check.history == [(4, 0.0)] and check.reads == []  # no frame: no read asked
+
+    frames = _memorised(base, proc, zoom, tmp_path / "zoom")
+    assert check(frames, 6) is False
+    assert (check.history[-1], check.reads) == ((6, 1.0), [(6, 0.0)])  # the frame holds, the read does not
+
+    both = _memorised(base, proc, zoom + answered, tmp_path / "both")
+    assert check(both, 8) is True
+    assert check.scores(both, 8) == {"framed": 1.0, "read": 1.0}  # the stage's metrics: asked at step 8 already
+    assert (len(check.history), len(check.reads)) == (3, 2)

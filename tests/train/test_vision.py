@@ -245,11 +245,24 @@ def test_locate_target_makes_the_block_stop_at_a_held_out_check():
     assert isinstance(check, LocateCheck) and (len(check.prompts), check.target) == (3, 0.9)
     train = locate_block_dialogues(p, scene, "sys")
     assert all(c[1]["content"] != t[1]["content"] for c, t in zip(check.prompts, train))  # new scenes
+    assert (check.read_target, check.min_step, check.reading) == (0.0, 0, [])  # the frame alone, at every checkpoint
     assert locate_check(Params(pretrain_locate=4, locate_steps=5), proc, scene, "sys", None) is None
+    both = locate_check(Params(pretrain_locate=4, locate_steps=5, locate_target=0.9, locate_check_scenes=3,
+                               locate_answers=1.0, locate_read_target=0.6, locate_check_from=300, seed=2),
+                        proc, scene, "sys", ["colour"])
+    assert (both.read_target, both.min_step, len(both.prompts), len(both.reading)) == (0.6, 300, 3, 3)
     with pytest.raises(ValueError, match=r"sft.locate_target must be in \[0, 1\]"):
         Params(locate_target=1.5)
     with pytest.raises(ValueError, match="sft.locate_check_scenes must be >= 1"):
         Params(locate_check_scenes=0)
+    with pytest.raises(ValueError, match=r"sft.locate_read_target must be in \[0, 1\]"):
+        Params(locate_read_target=-0.1)
+    with pytest.raises(ValueError, match="needs the check .sft.locate_target > 0. and answered drills"):
+        Params(locate_read_target=0.5, locate_answers=1.0)
+    with pytest.raises(ValueError, match="needs the check .sft.locate_target > 0. and answered drills"):
+        Params(locate_read_target=0.5, locate_target=0.9)
+    with pytest.raises(ValueError, match="sft.locate_check_from must be >= 0"):
+        Params(locate_check_from=-1)
 
 
 def test_pretrain_target_gives_phase_one_a_copy_check():

@@ -217,17 +217,19 @@ def framed_count(model, processor, scene: SceneConfig, prompts: list[list[dict]]
 
 
 def held_out_reads(scene: SceneConfig, n: int, seed: int, system: str | None = None,
-                   attributes: Sequence[str] | None = None) -> tuple[list[list[dict]], list[str]]:
+                   attributes: Sequence[str] | None = None, mcq_share: float = 0.5
+                   ) -> tuple[list[list[dict]], list[str]]:
     """``n`` answered perception drills (``answer_share`` 1) on new scenes without their answer turn, and the
-    teacher's answer of each (a value, or an option's letter): the prompts that score reading a right zoom's crop
-    apart from finding it (the teacher's zoom and its crop are in the prompt)."""
+    teacher's answer of each (a value, or an option's letter; ``mcq_share`` of the questions are multiple-choice):
+    the prompts that score reading a right zoom's crop apart from finding it (the teacher's zoom and its crop are in
+    the prompt)."""
     from mars.agent.protocol import parse_turn
 
     prompts: list[list[dict]] = []
     answers: list[str] = []
     for k in range(100):  # a target without any asked attribute (no glyph for a letter-only draw) is not answered
         for d in locate_dialogues(scene, n=n, seed=seed + 1000 * k, system=system, attributes=attributes,
-                                  perception_share=1.0, answer_share=1.0):
+                                  perception_share=1.0, answer_share=1.0, mcq_share=mcq_share):
             if len(prompts) < n and sum(m["role"] == "assistant" for m in d) == 2:
                 prompts.append(d[:-1])
                 answers.append(str(parse_turn(d[-1]["content"]).answer))
@@ -252,7 +254,8 @@ class LocateCheck:
     """A stopping check for training on localisation drills (:func:`mars.train.sft.train_sft`'s ``until``): True
     once the model's greedy first zoom frames at least ``target`` (a share) of ``n`` held-out scenes
     (:func:`held_out_drills`) and, with ``read_target`` > 0, its greedy answer after the teacher's right zoom is the
-    teacher's on at least that share of ``n`` held-out answered drills (:func:`held_out_reads`, asked only once the
+    teacher's on at least that share of ``n`` held-out answered drills (:func:`held_out_reads`, open questions: the
+    value read from the crop, not an option's letter, which the tiny models answer at chance; asked only once the
     frame holds: the read is the slower link, and a check that fails on the frame costs one generation). Not asked
     before ``min_step``. ``history`` keeps (step, framed share) of every check, ``reads`` (step, read share); a reply
     is cut at ``max_new_tokens`` (a zoom call longer than that is a miss)."""
@@ -266,8 +269,8 @@ class LocateCheck:
         self.processor, self.scene, self.target = processor, scene, target
         self.read_target, self.min_step, self.max_new_tokens = read_target, min_step, max_new_tokens
         self.prompts, self.truth = held_out_drills(scene, n, seed, system, attributes)
-        self.reading, self.answers = (held_out_reads(scene, n, seed, system, attributes) if read_target
-                                      else ([], []))
+        self.reading, self.answers = (held_out_reads(scene, n, seed, system, attributes, mcq_share=0.0)
+                                      if read_target else ([], []))
         self.history: list[tuple[int, float]] = []
         self.reads: list[tuple[int, float]] = []
 

@@ -188,3 +188,15 @@ def test_held_out_reads_end_at_the_crop_and_keep_the_teachers_answer():
         assert p[-1]["content"][1]["type"] == "image"  # the crop is in the prompt
         assert asked_attribute(p[1]["content"][1]["text"]) in ("colour", "glyph")
         assert a in ATTRIBUTES["colour"] or a in ATTRIBUTES["glyph"] or a in "ABCD"
+
+
+def test_held_out_reads_with_mcq_share_zero_ask_open_questions_only():
+    """The localisation check's reads (``mcq_share`` 0): every answer is the value read from the crop, never an
+    option's letter; the default mixes both forms."""
+    from mars.synth.locate import held_out_reads
+
+    scene = WorldSpec().scene_config()
+    _, open_answers = held_out_reads(scene, 12, seed=7, system="S", attributes=["colour"], mcq_share=0.0)
+    assert len(open_answers) == 12 and all(a in ATTRIBUTES["colour"] for a in open_answers)
+    _, mixed = held_out_reads(scene, 12, seed=7, system="S", attributes=["colour"])
+    assert any(a in "ABCD" for a in mixed) and any(a in ATTRIBUTES["colour"] for a in mixed)

@@ -418,9 +418,9 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     """A short run (4 steps of vision pre-training for reading and 4 for localisation, 8 pre-training steps on
     captions and reading drills, 8 steps of the vision block (localisation drills and zoom captions; its stopping
-    check, of the frame and the read, asked at step 4, as phase 1's copy check), then 16 steps, a checkpoint every 4): SIGKILLed once a
-    checkpoint of the last phase exists, rerun, and compared with an uninterrupted in-process run of the same params
-    (a short run keeps this test cheap), with length-grouped batches and chain drills."""
+    check, of the frame and the read, asked at step 4, as phase 1's copy check), then 16 steps, a checkpoint every
+    4): SIGKILLed once a checkpoint of the last phase exists, rerun, and compared with an uninterrupted in-process
+    run of the same params (a short run keeps this test cheap), with length-grouped batches and chain drills."""
     b = built
     short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
              "pretrain_drills": 16, "pretrain_locate": 8, "locate_steps": 8, "pretrain_zoom_captions": 4,

@@ -666,9 +666,9 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                           f"{name}_loss_final": res["loss_final"], f"{name}_tokens_per_s": res["tokens_per_s"],
                           f"{name}_steps_run": res["steps"]}
             if check is not None:  # the held-out shares of the phase's last weights (not rescored if just asked)
-                pre_stats |= {f"{name}_check_{k}": v for k, v in check.scores(model, res["steps"]).items()}
-                log.info("%s check (step, share): %s%s", name, check.history,
-                         f"; read {check.reads}" if getattr(check, "reads", None) else "")
+                scores = check.scores(model, res["steps"])
+                pre_stats |= {f"{name}_check_{k}": v for k, v in scores.items()}
+                log.info("%s check (step, share): %s", name, {k: check.histories()[k] for k in scores})
             if kept:
                 pre_stats[f"{name}_mixed_examples"] = len(kept)
             pool += block

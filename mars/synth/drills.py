@@ -389,5 +389,9 @@ class CopyCheck:
         """``{"copied": share}`` for ``model`` at ``step`` (scored once a step; the stage's metric after phase 1)."""
         return {"copied": self.measure(model, step)}
 
+    def histories(self) -> dict[str, list[tuple[int, float]]]:
+        """Every check's (step, share): ``copied``."""
+        return {"copied": self.history}
+
     def __call__(self, model, step: int) -> bool:
         return bool(self.target) and step >= self.min_step and self.measure(model, step) >= self.target

@@ -298,6 +298,10 @@ class LocateCheck:
         ``read_target`` > 0 (the stage's metrics after the block)."""
         return {"framed": self.framed(model, step), **({"read": self.read(model, step)} if self.read_target else {})}
 
+    def histories(self) -> dict[str, list[tuple[int, float]]]:
+        """Every check's (step, share) per link: ``framed`` and ``read``."""
+        return {"framed": self.history, "read": self.reads}
+
     def __call__(self, model, step: int) -> bool:
         if step < self.min_step or self.framed(model, step) < self.target:
             return False

@@ -279,6 +279,7 @@ def test_copy_check_asks_from_its_first_step_and_keeps_every_share(smoke):  # no
     assert check(model, 4) is False and check.history == [(4, 0.0)]
     assert check.measure(model, 3) == 0.0 and check.history[-1] == (3, 0.0)  # measure: asked at any step
     assert check.scores(model, 3) == {"copied": 0.0} and len(check.history) == 2  # once a step: not asked again
+    assert check.histories() == {"copied": [(4, 0.0), (3, 0.0)]}
     never = CopyCheck(proc, drills, target=0.0)  # target 0: never asked during training, measure() still scores
     assert never(model, 10) is False and never.history == []
     with pytest.raises(ValueError, match="a copy check needs held-out drills and 0 <= target <= 1"):

@@ -131,3 +131,4 @@ def test_locate_check_with_a_read_target_needs_the_frame_and_then_the_read(tmp_p
     assert check(both, 8) is True
     assert check.scores(both, 8) == {"framed": 1.0, "read": 1.0}  # the stage's metrics: asked at step 8 already
     assert (len(check.history), len(check.reads)) == (3, 2)
+    assert check.histories() == {"framed": [(4, 0.0), (6, 1.0), (8, 1.0)], "read": [(6, 0.0), (8, 1.0)]}

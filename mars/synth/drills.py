@@ -74,7 +74,7 @@ How to run (Python)::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +87,7 @@ from mars.world.questions import FACT_QUESTIONS, FACTS, SEARCH_SUBJECT, question
 from mars.world.text import KINDS, entity_name, make_word
 
 __all__ = ["COPY_PROMPT", "RENAME_SOURCES", "CopyCheck", "copied", "copy_drills", "drill_kind", "reading_drills",
-           "rename_dialogues"]
+           "rename_dialogues", "scored_once"]
 
 COPY_PROMPT = "Repeat these names in order:"
 RENAME_SOURCES = ("new", "world")
@@ -357,6 +357,15 @@ def copied(text: str, reference: str) -> bool:
     return (got.answer or "").strip().lower() == (ref.answer or "").strip().lower()
 
 
+def scored_once(history: list[tuple[int, float]], step: int, score: Callable[[], float]) -> float:
+    """A stopping check's share at ``step``: ``score()`` recorded in ``history`` as (step, share), unless its last
+    entry is already that step's (:class:`CopyCheck`, :class:`mars.synth.locate.LocateCheck`: the stage's metric
+    after a phase reuses the check its last step just ran)."""
+    if not history or history[-1][0] != step:
+        history.append((step, round(score(), 4)))
+    return history[-1][1]
+
+
 class CopyCheck:
     """Phase 1's stopping check (:func:`mars.train.sft.train_sft`'s ``until``): True once the model's greedy reply
     to at least ``target`` (a share) of held-out ``drills`` (:func:`reading_drills` drawn with another seed: fresh
@@ -379,11 +388,11 @@ class CopyCheck:
         (scored once a step)."""
         from mars.agent.hf_backend import HFBackend
 
-        if not self.history or self.history[-1][0] != step:
+        def share() -> float:
             outs = HFBackend(model, self.processor).generate(self.prompts, max_new_tokens=self.max_new_tokens)
-            share = sum(copied(o.text, r) for o, r in zip(outs, self.references)) / len(self.prompts)
-            self.history.append((step, round(share, 4)))
-        return self.history[-1][1]
+            return sum(copied(o.text, r) for o, r in zip(outs, self.references)) / len(self.prompts)
+
+        return scored_once(self.history, step, share)
 
     def scores(self, model, step: int) -> dict[str, float]:
         """``{"copied": share}`` for ``model`` at ``step`` (scored once a step; the stage's metric after phase 1)."""

@@ -49,6 +49,7 @@ import numpy as np
 from mars.agent.oracle import zone_zoom_box
 from mars.agent.protocol import format_tool_call
 from mars.agent.teacher import THINK, ZOOM_LABEL, asked_word
+from mars.synth.drills import scored_once
 from mars.world.emblems import random_emblem
 from mars.world.questions import (ATTRIBUTES, FACT_QUESTIONS, FACTS, FRAMED_SUBJECT, MULTIHOP_SUBJECT,
                                   PERCEPTION_QUESTIONS, attribute_value, check_attributes, question_text)
@@ -276,22 +277,16 @@ class LocateCheck:
 
     def framed(self, model, step: int) -> float:
         """The share of the held-out scenes ``model`` frames, recorded in ``history`` for ``step`` (once a step)."""
-        if not self.history or self.history[-1][0] != step:
-            share = framed_count(model, self.processor, self.scene, self.prompts, self.truth,
-                                 self.max_new_tokens) / len(self.prompts)
-            self.history.append((step, round(share, 4)))
-        return self.history[-1][1]
+        return scored_once(self.history, step, lambda: framed_count(
+            model, self.processor, self.scene, self.prompts, self.truth, self.max_new_tokens) / len(self.prompts))
 
     def read(self, model, step: int) -> float:
         """The share of the held-out answered drills ``model`` answers as the teacher, recorded in ``reads`` for
         ``step`` (once a step)."""
         if not self.reading:
             raise ValueError("this localisation check has no read drills: give it read_target > 0")
-        if not self.reads or self.reads[-1][0] != step:
-            share = read_count(model, self.processor, self.reading, self.answers,
-                               self.max_new_tokens) / len(self.reading)
-            self.reads.append((step, round(share, 4)))
-        return self.reads[-1][1]
+        return scored_once(self.reads, step, lambda: read_count(
+            model, self.processor, self.reading, self.answers, self.max_new_tokens) / len(self.reading))
 
     def scores(self, model, step: int) -> dict[str, float]:
         """Each link's share for ``model`` at ``step`` (each scored once a step): ``framed``, and ``read`` with

@@ -106,12 +106,14 @@ SECTION = "sft"
 TEACHER_CHUNK = 64  # teacher episodes played at once (bounds the memory of full-resolution scenes)
 # The training phases in order, and the params only each of the later ones reads (every other param is in every
 # phase's key, :func:`phase_keys`): a change of these keeps the phases before their owner.
-PHASES = ("vision", "vision_locate", "pretrain", "locate", "train")
+PHASES = ("vision", "vision_locate", "pretrain", "locate_frame", "locate", "train")
 PHASE_KNOBS = {
     "pretrain": ("pretrain_steps", "pretrain_batch_size", "pretrain_lr", "pretrain_group_batches", "pretrain_target",
                  "pretrain_check_drills", "pretrain_check_from"),
-    "locate": ("locate_steps", "locate_batch_size", "locate_target", "locate_check_scenes", "locate_mix",
-               "locate_read_target", "locate_check_from"),
+    # the block's shared knobs are its frame stage's (they enter the block's key after it, also with no frame stage)
+    "locate_frame": ("locate_frame_steps", "locate_frame_captions", "locate_batch_size", "locate_target",
+                     "locate_check_scenes", "locate_mix", "locate_check_from"),
+    "locate": ("locate_steps", "locate_read_target"),
     "train": ("max_steps", "group_batches", "mix_pretrain"),
 }
 log = logging.getLogger(__name__)
@@ -139,7 +141,11 @@ class Params:
     locate_check_scenes: int = 40  # the held-out scenes of that check (asked at every checkpoint)
     locate_read_target: float = 0.0  # > 0: the check also needs the answer after the teacher's right zoom on this
     #                                  share of as many held-out answered drills (the read, once the frame holds)
-    locate_check_from: int = 0  # the block's check is asked at the checkpoints from this step on
+    locate_check_from: int = 0  # the block's check is asked at the checkpoints from this step on (in each stage)
+    locate_frame_steps: int = 0  # > 0: the block in two stages: first the drills with locate_frame_captions of the
+    #                              zoom captions, at most these steps or until the frame check holds (locate_target),
+    #                              then the drills with all of them and the read check (README, session 30)
+    locate_frame_captions: int = 0  # the frame stage's zoom captions (the first of the pretrain_zoom_captions)
     pretrain_target: float = 0.0  # > 0: phase 1 stops once its greedy replies copy this share of held-out drills
     #                               (0: they are only scored after phase 1: pretrain_check_copied in the metrics)
     pretrain_check_drills: int = 60  # the held-out reading drills of that check (another seed: fresh names)
@@ -257,6 +263,19 @@ class Params:
                              "(sft.locate_target > 0) and answered drills to learn it from (sft.locate_answers > 0)")
         if self.locate_check_from < 0:
             raise ValueError(f"sft.locate_check_from must be >= 0, got {self.locate_check_from}")
+        if self.locate_frame_steps < 0:
+            raise ValueError(f"sft.locate_frame_steps must be >= 0 (0 = the block in one stage), got "
+                             f"{self.locate_frame_steps}")
+        if self.locate_frame_steps and not self.locate_steps:
+            raise ValueError("sft.locate_frame_steps > 0 is the localisation block's first stage: set "
+                             "sft.locate_steps > 0 (its second), or sft.locate_frame_steps: 0")
+        if not 0 <= self.locate_frame_captions <= self.pretrain_zoom_captions:
+            raise ValueError(f"sft.locate_frame_captions must be in [0, sft.pretrain_zoom_captions = "
+                             f"{self.pretrain_zoom_captions}] (the frame stage's share of the zoom captions), got "
+                             f"{self.locate_frame_captions}")
+        if self.locate_frame_captions and not self.locate_frame_steps:
+            raise ValueError("sft.locate_frame_captions is the frame stage's: set sft.locate_frame_steps > 0, or "
+                             "sft.locate_frame_captions: 0")
         if not 0.0 <= self.pretrain_target <= 1.0:
             raise ValueError(f"sft.pretrain_target must be in [0, 1] (0 = run all sft.pretrain_steps), got "
                              f"{self.pretrain_target}")
@@ -308,6 +327,10 @@ class Params:
         """The localisation block's training config: ``locate_steps`` steps of ``locate_batch_size``
         (``batch_size`` when 0) at ``lr`` and ``vision_lr``; plain shuffled batches."""
         return self.train_config(self.locate_steps, group_batches=1, batch_size=self.locate_batch_size)
+
+    def locate_frame_config(self):
+        """The block's frame stage's config: :meth:`locate_config` with ``locate_frame_steps`` steps."""
+        return self.train_config(self.locate_frame_steps, group_batches=1, batch_size=self.locate_batch_size)
 
     def train_config(self, max_steps: int | None = None, lr: float | None = None, group_batches: int | None = None,
                      batch_size: int = 0):
@@ -638,27 +661,32 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
             trajs, stats, pretrain, locate, held_out = play_and_draw(params, agent, inputs, all_questions, scene,
                                                                      system, attributes, meanwhile=prepare)
         model, tok, proc, examples = stack["model"], stack["tok"], stack["proc"], stack["examples"]
-        d_pre, d_loc, d_held = (dialogues_digest(d) for d in (pretrain, locate, held_out))
+        frame = frame_stage_dialogues(params, locate)
+        d_pre, d_loc, d_held, d_frame = (dialogues_digest(d) for d in (pretrain, locate, held_out, frame))
         keys = phase_keys(params, stack["common"], {"vision_locate": [d_loc if locate else d_pre],
-                                                    "pretrain": [d_pre, d_held], "locate": [d_loc],
-                                                    "train": [stack["d_train"]]})
+                                                    "pretrain": [d_pre, d_held], "locate_frame": [d_frame],
+                                                    "locate": [d_loc], "train": [stack["d_train"]]})
         pool: list = []  # phase 1's and the block's examples, which phase 2 mixes in
         write_artifacts({out / "trajectories.parquet": (trajectories_table(trajs), "trajectories")})
         if params.vision_locate_steps:
             pre_stats |= vision_locate(params, model, proc, scene, locate or pretrain,
                                        outputs["checkpoints"] / "vision_locate", keys["vision_locate"],
                                        attributes)
-        # phase 1, then the localisation block, each with its own checkpoints, so a kill in any phase resumes there
+        # phase 1, then the localisation block (in two stages with locate_frame_steps), each with its own
+        # checkpoints, so a kill in any phase resumes there
+        framed: list = []  # the frame stage's examples: the block's first ones
         for name, dialogues, config in (("pretrain", pretrain, params.pretrain_config),
+                                        ("locate_frame", frame, params.locate_frame_config),
                                         ("locate", locate, params.locate_config)):
             if not dialogues:
                 continue
-            block = render_examples(dialogues, proc, params.max_len, desc=f"rendering {name} data")
+            rest = dialogues[len(frame):] if name == "locate" else dialogues  # the frame stage's are rendered
+            block = framed + render_examples(rest, proc, params.max_len, desc=f"rendering {name} data")
             _check_masks(block, tok)
             # the block keeps seeing phase 1's data: alone, its 600 steps erased the copying (README, Results)
-            kept = _mix(pool, len(block), params.locate_mix, params.seed) if name == "locate" else []
-            check = (locate_check(params, proc, scene, system, attributes) if name == "locate"
-                     else copy_check(params, proc, held_out))
+            kept = _mix(pool, len(block), params.locate_mix, params.seed) if name != "pretrain" else []
+            check = (copy_check(params, proc, held_out) if name == "pretrain"
+                     else locate_check(params, proc, scene, system, attributes, read=name == "locate"))
             res = train_sft(model, block + kept, config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"] / name, live_dir=None,
                             fp=keys[name], until=check)
@@ -669,11 +697,19 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                 scores = check.scores(model, res["steps"])
                 pre_stats |= {f"{name}_check_{k}": v for k, v in scores.items()}
                 log.info("%s check (step, share): %s", name, {k: check.histories()[k] for k in scores})
+                if name == "locate_frame" and scores["framed"] < params.locate_target:
+                    log.warning("the block's frame stage ran to its ceiling (sft.locate_frame_steps = %d) with the "
+                                "first zoom framing %.0f%% of the held-out scenes, short of sft.locate_target; the "
+                                "block goes on with all the zoom captions", params.locate_frame_steps,
+                                100 * scores["framed"])
             if kept:
                 pre_stats[f"{name}_mixed_examples"] = len(kept)
-            pool += block
+            if name == "locate_frame":
+                framed = block
+            else:
+                pool += block
         mixed = _mix(pool, len(examples), params.mix_pretrain, params.seed)
-        del pool, pretrain, locate  # the pixels of what is not mixed in are not needed in phase 2
+        del pool, pretrain, locate, frame, framed  # the pixels of what is not mixed in are not needed in phase 2
         summary = train_sft(model, examples + mixed, params.train_config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"], live_dir=outputs["live"], fp=keys["train"])
         if not all(torch.isfinite(torch.tensor([l for _, l in summary["history"]]))):
@@ -686,17 +722,29 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     return metrics
 
 
-def locate_check(params: Params, proc, scene: SceneConfig, system: str, attributes: Sequence[str] | None):
+def locate_check(params: Params, proc, scene: SceneConfig, system: str, attributes: Sequence[str] | None,
+                 read: bool = True):
     """The localisation block's stopping check (:class:`mars.synth.locate.LocateCheck`; None when
     ``locate_target`` is 0): ``locate_check_scenes`` held-out scenes, drawn with another seed than the drills, and
-    as many answered drills when ``locate_read_target`` > 0; asked from step ``locate_check_from`` on."""
+    as many answered drills when ``locate_read_target`` > 0 and ``read`` (the frame stage's check has no read);
+    asked from step ``locate_check_from`` on."""
     from mars.synth.locate import LocateCheck
 
     if not params.locate_target:
         return None
     return LocateCheck(proc, scene, n=params.locate_check_scenes, target=params.locate_target,
                        seed=params.seed + 99, system=system, attributes=attributes,
-                       read_target=params.locate_read_target, min_step=params.locate_check_from)
+                       read_target=params.locate_read_target if read else 0.0, min_step=params.locate_check_from)
+
+
+def frame_stage_dialogues(params: Params, block: list[list[dict]]) -> list[list[dict]]:
+    """The block's frame stage's data (``locate_frame_steps`` > 0, else none): the block's dialogues
+    (:func:`locate_block_dialogues`: the localisation drills, then ``pretrain_zoom_captions`` zoom captions) up to
+    its first ``locate_frame_captions`` captions. Measured (README, session 29): on seed 1 the first zoom formed in
+    500 steps with 1,000 captions and not in 1,600 with 4,000, which the read needs."""
+    if not (params.locate_frame_steps and block):
+        return []
+    return block[:len(block) - params.pretrain_zoom_captions + params.locate_frame_captions]
 
 
 def copy_check(params: Params, proc, drills: list[list[dict]]):

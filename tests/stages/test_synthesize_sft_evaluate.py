@@ -387,11 +387,19 @@ def test_sft_phase_batch_sizes_set_their_phase_only(tmp_path):
             (("batch_size", 16), ("pretrain_batch_size", 4), ("locate_batch_size", 4), ("max_steps", 7))}
     base = sft.phase_keys(params(batch_size=16), ("same",), {})
     changed = {k: [p for p in sft.PHASES if v[p] != base[p]] for k, v in keys.items()}
-    assert changed == {"batch_size": [], "pretrain_batch_size": ["pretrain", "locate", "train"],
-                       "locate_batch_size": ["locate", "train"], "max_steps": ["train"]}
+    assert changed == {"batch_size": [], "pretrain_batch_size": ["pretrain", "locate_frame", "locate", "train"],
+                       "locate_batch_size": ["locate_frame", "locate", "train"], "max_steps": ["train"]}
     assert sft.phase_keys(params(), ("other",), {})["vision"] != sft.phase_keys(params(), ("same",), {})["vision"]
     with_block = sft.phase_keys(params(batch_size=16), ("same",), {"locate": ["d"]})
     assert [p for p in sft.PHASES if with_block[p] != base[p]] == ["locate", "train"]
+    # the block's frame stage (sft.locate_frame_steps): its knobs rerun both stages, the second stage's only itself
+    block = {"batch_size": 16, "pretrain_locate": 16, "pretrain_zoom_captions": 8, "locate_steps": 10}
+    staged = sft.phase_keys(params(**block, locate_frame_steps=5, locate_frame_captions=2), ("same",), {})
+    for k, v, phases in (("locate_frame_captions", 4, ["locate_frame", "locate", "train"]),
+                         ("locate_steps", 12, ["locate", "train"])):
+        other = sft.phase_keys(params(**{**block, "locate_frame_steps": 5, "locate_frame_captions": 2, k: v}),
+                               ("same",), {})
+        assert [p for p in sft.PHASES if other[p] != staged[p]] == phases, k
 
 
 def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp_path):
@@ -417,8 +425,9 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
 
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     """A short run (4 steps of vision pre-training for reading and 4 for localisation, 8 pre-training steps on
-    captions and reading drills, 8 steps of the vision block (localisation drills and zoom captions; its stopping
-    check, of the frame and the read, asked at step 4, as phase 1's copy check), then 16 steps, a checkpoint every
+    captions and reading drills, 4 + 8 steps of the vision block's two stages (localisation drills and half, then
+    all the zoom captions; its stopping checks, of the frame, then of the frame and the read, asked at step 4, as
+    phase 1's copy check), then 16 steps, a checkpoint every
     4): SIGKILLed once a checkpoint of the last phase exists, rerun, and compared with an uninterrupted in-process
     run of the same params (a short run keeps this test cheap), with length-grouped batches and chain drills."""
     b = built
@@ -427,7 +436,8 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
              "locate_target": 0.9, "locate_check_scenes": 8, "locate_answers": 0.5, "locate_read_target": 0.5,
              "pretrain_target": 0.99, "pretrain_check_drills": 4, "pretrain_check_from": 4,
              "mix_pretrain": 0.25, "locate_mix": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16,
-             "vision_locate_steps": 4, "group_batches": 2, "drill_chains": 0.5, "vision_test_images": 24}
+             "vision_locate_steps": 4, "group_batches": 2, "drill_chains": 0.5, "vision_test_images": 24,
+             "locate_frame_steps": 4, "locate_frame_captions": 2}
     params = write_params(tmp_path, "short", profile={"sft": short})
     fp = load_params("sft", sft.Params, params)
     scene = world.world_spec(load_params("world", world.Params, params)).scene_config()  # as the CLI reads it
@@ -467,6 +477,12 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     # though the frame did not hold: the metric is both links of the last weights)
     assert 0.0 <= straight_m["locate_check_read"] <= 1.0
     assert m["locate_check_read"] == straight_m["locate_check_read"]
+    # the block's frame stage before it: 8 drills and the first 2 captions, its check (the frame alone) at step 4
+    assert m["locate_frame_examples"] == straight_m["locate_frame_examples"] == 10
+    assert m["locate_frame_steps_run"] == straight_m["locate_frame_steps_run"] == 4
+    assert m["locate_frame_check_framed"] == straight_m["locate_frame_check_framed"]
+    assert "locate_frame_check_read" not in m
+    assert (ckpt / "locate_frame" / "step-000004").is_dir()
     # phase 2 mixes in a quarter of phase-1 examples: one per three trajectories, the same draw after the resume
     assert m["mixed_pretrain_examples"] == straight_m["mixed_pretrain_examples"] == round(m["examples"] / 3)
     assert m["pretrain_loss_final"] == pytest.approx(straight_m["pretrain_loss_final"], abs=1e-6)
@@ -502,13 +518,14 @@ def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
     directories with a phase-2 knob changed (``max_steps``), phases 0, 1 and the block are restored from their last
     checkpoints (the files untouched, their metrics the same) and phase 2 starts from their weights (its first loss,
     taken before any update on the same first batch, equal); with a phase-1 knob changed (``pretrain_lr``) phase 0
-    is kept and phase 1, the block and phase 2 train again. Phase 0's reading trains while the drills are drawn
+    is kept and phase 1, the block and phase 2 train again; with the block's second stage's ``locate_steps``
+    changed, its frame stage (``locate_frame_steps``) is kept. Phase 0's reading trains while the drills are drawn
     (``beside_drawing_s``), after the untrained model was saved: ``base/`` is the seed's fresh init."""
     b = built
     short = {"max_steps": 8, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_drills": 16,
              "pretrain_locate": 8, "locate_steps": 4, "pretrain_zoom_captions": 4, "locate_target": 0.0,
              "pretrain_check_drills": 4, "vision_pretrain_steps": 4, "vision_pretrain_images": 16,
-             "vision_locate_steps": 4, "vision_test_images": 24}
+             "vision_locate_steps": 4, "vision_test_images": 24, "locate_frame_steps": 4, "locate_frame_captions": 1}
     scene = world.world_spec(load_params("world", world.Params, b.params)).scene_config()
     out = {"out": tmp_path / "out", "checkpoints": tmp_path / "ckpt", "live": tmp_path / "live",
            "metrics": tmp_path / "m.json"}
@@ -526,8 +543,14 @@ def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
     assert base.state_dict().keys() == fresh.keys()
     assert all(torch.equal(v, fresh[k]) for k, v in base.state_dict().items())
     before = _states(out["checkpoints"])
-    assert {k.split("/")[0] for k in before} == {"vision", "vision_locate", "pretrain", "locate", "step-000004",
-                                                 "step-000008"}
+    assert {k.split("/")[0] for k in before} == {"vision", "vision_locate", "pretrain", "locate_frame", "locate",
+                                                 "step-000004", "step-000008"}
+    # the block's frame stage trained on its 8 localisation drills and the first of its 4 zoom captions, then the
+    # second stage on all 12 (the frame stage's renderings reused), each with a third of phase 1's examples mixed in
+    # (locate_mix 0.25: round(0.25 / 0.75 * 9) = 3, round(0.25 / 0.75 * 12) = 4)
+    assert (first["locate_frame_examples"], first["locate_examples"]) == (9, 12)
+    assert (first["locate_frame_mixed_examples"], first["locate_mixed_examples"]) == (3, 4)
+    assert first["locate_frame_steps_run"] == first["locate_steps_run"] == 4
     longer, longer_h = run("longer", max_steps=12)
     after = _states(out["checkpoints"])
     kept = {k: v for k, v in before.items() if not k.startswith("step-")}
@@ -535,18 +558,27 @@ def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
     assert longer["resumed_from"] == 0 and longer["steps"] == 12 and len(longer_h) == 12
     assert sorted(k for k in after if k.startswith("step-")) == ["step-000008/state.pt", "step-000012/state.pt"]
     assert all(after[k] != v for k, v in before.items() if k in after and k.startswith("step-"))  # written anew
-    for k in ("pretrain_loss_final", "locate_loss_final", "vision_pretrain_loss_final", "vision_locate_loss_final",
+    for k in ("pretrain_loss_final", "locate_frame_loss_final", "locate_loss_final", "vision_pretrain_loss_final",
+              "vision_locate_loss_final",
               "pretrain_check_copied", "vision_locate_test_cell", "mixed_pretrain_examples"):
         assert longer[k] == first[k], k
     assert abs(longer_h[0][1] - first_h[0][1]) <= 1e-6  # the same weights and first batch entering phase 2
     # then another schedule: the first two updates are warm-up's, the same; from the third the cosine over 12 steps
     assert max(abs(x - y) for (_, x), (_, y) in zip(longer_h[4:8], first_h[4:8])) > 1e-6
+    # a change of the block's second stage keeps its frame stage (and the phases before it)
+    reread, _ = run("reread", max_steps=12, locate_steps=6)
+    staged = _states(out["checkpoints"])
+    for phase in ("vision", "vision_locate", "pretrain", "locate_frame"):
+        assert {k: v for k, v in staged.items() if k.startswith(phase + "/")} == \
+            {k: v for k, v in after.items() if k.startswith(phase + "/")}, phase
+    assert reread["locate_frame_loss_final"] == first["locate_frame_loss_final"] and reread["locate_steps_run"] == 6
+    assert all(staged[k] != after[k] for k in after if k.startswith("locate/"))
     relearnt, _ = run("relearnt", max_steps=12, pretrain_lr=0.001)
     again = _states(out["checkpoints"])
     for phase in ("vision", "vision_locate"):
         assert {k: v for k, v in again.items() if k.startswith(phase + "/")} == \
             {k: v for k, v in after.items() if k.startswith(phase + "/")}
-    for phase in ("pretrain", "locate"):
+    for phase in ("pretrain", "locate_frame", "locate"):
         assert all(again[k] != after[k] for k in after if k.startswith(phase + "/"))
     assert relearnt["vision_pretrain_loss_final"] == first["vision_pretrain_loss_final"]
     assert relearnt["pretrain_loss_final"] != first["pretrain_loss_final"]

@@ -251,6 +251,11 @@ def test_locate_target_makes_the_block_stop_at_a_held_out_check():
                                locate_answers=1.0, locate_read_target=0.6, locate_check_from=300, seed=2),
                         proc, scene, "sys", ["colour"])
     assert (both.read_target, both.min_step, len(both.prompts), len(both.reading)) == (0.6, 300, 3, 3)
+    # the frame stage's check (sft.locate_frame_steps) has the frame alone, from the same step
+    frame_only = locate_check(Params(pretrain_locate=4, locate_steps=5, locate_target=0.9, locate_check_scenes=3,
+                                     locate_answers=1.0, locate_read_target=0.6, locate_check_from=300, seed=2),
+                              proc, scene, "sys", ["colour"], read=False)
+    assert (frame_only.read_target, frame_only.min_step, frame_only.reading) == (0.0, 300, [])
     with pytest.raises(ValueError, match=r"sft.locate_target must be in \[0, 1\]"):
         Params(locate_target=1.5)
     with pytest.raises(ValueError, match="sft.locate_check_scenes must be >= 1"):
@@ -263,6 +268,35 @@ def test_locate_target_makes_the_block_stop_at_a_held_out_check():
         Params(locate_read_target=0.5, locate_target=0.9)
     with pytest.raises(ValueError, match="sft.locate_check_from must be >= 0"):
         Params(locate_check_from=-1)
+
+
+def test_the_blocks_frame_stage_holds_its_drills_and_the_first_captions():
+    """``locate_frame_steps`` > 0: the block's frame stage trains on its localisation drills and the first
+    ``locate_frame_captions`` of its zoom captions (:func:`stages.sft.frame_stage_dialogues`), the second stage on
+    all of them; its knobs are checked."""
+    from mars.world.generate import WorldSpec
+    from stages.sft import frame_stage_dialogues, locate_block_dialogues
+
+    scene = WorldSpec.smoke().scene_config()
+    p = Params(pretrain_locate=4, pretrain_zoom_captions=3, locate_steps=5, locate_frame_steps=4,
+               locate_frame_captions=1)
+    block = locate_block_dialogues(p, scene, "sys")
+    frame = frame_stage_dialogues(p, block)
+    assert len(block) == 7 and frame == block[:5]  # 4 drills (zoom calls), then 1 of the 3 captions (answers)
+    assert all("image_zoom_in" in d[-1]["content"] for d in frame[:4]) and "<answer>" in frame[4][-1]["content"]
+    assert frame_stage_dialogues(Params(pretrain_locate=4, pretrain_zoom_captions=3, locate_steps=5,
+                                        locate_frame_steps=4), block) == block[:4]  # the drills alone
+    assert frame_stage_dialogues(Params(pretrain_locate=4, pretrain_zoom_captions=3, locate_steps=5), block) == []
+    assert p.locate_frame_config().optim.max_steps == 4 and p.locate_config().optim.max_steps == 5
+    with pytest.raises(ValueError, match="sft.locate_frame_steps must be >= 0"):
+        Params(locate_frame_steps=-1)
+    with pytest.raises(ValueError, match="is the localisation block's first stage: set sft.locate_steps > 0"):
+        Params(locate_frame_steps=10)
+    with pytest.raises(ValueError, match=r"sft.locate_frame_captions must be in \[0, sft.pretrain_zoom_captions = 3\]"):
+        Params(pretrain_locate=4, pretrain_zoom_captions=3, locate_steps=5, locate_frame_steps=4,
+               locate_frame_captions=4)
+    with pytest.raises(ValueError, match="sft.locate_frame_captions is the frame stage's: set sft.locate_frame_steps"):
+        Params(pretrain_locate=4, pretrain_zoom_captions=3, locate_steps=5, locate_frame_captions=1)
 
 
 def test_pretrain_target_gives_phase_one_a_copy_check():

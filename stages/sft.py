@@ -44,7 +44,12 @@ What it does
        ``locate_steps`` is a ceiling: a fixed 200-step block framed 80 of 80 test scenes in one run and 19 in
        another (README, session 17). With ``locate_read_target`` > 0 the check also needs the read: the greedy
        answer after the teacher's right zoom is the teacher's on that share of as many held-out answered drills
-       (``locate_check_read``): the colour profile's second link (README, session 29). Phase 1 likewise, with
+       (``locate_check_read``): the colour profile's second link (README, session 29). With
+       ``locate_frame_steps`` > 0 the block runs in two stages (:func:`frame_stage_dialogues`; checkpoints in
+       ``--checkpoints``/locate_frame, then /locate): first the localisation drills with only the first
+       ``locate_frame_captions`` zoom captions, at most ``locate_frame_steps`` steps or until the frame check holds
+       (no read), then all of them for ``locate_steps`` with the read (README, session 30: a large caption dose kept
+       the frame from forming on seed 1, a small one did not teach the read). Phase 1 likewise, with
        ``pretrain_target`` > 0: it stops once its greedy replies copy that share of ``pretrain_check_drills``
        held-out reading drills right (another seed, so new stand-in names; asked at the checkpoints from step
        ``pretrain_check_from`` on: :func:`copy_check`; the metrics' ``pretrain_check_copied`` is the share of phase

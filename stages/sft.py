@@ -679,14 +679,14 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
                                        attributes)
         # phase 1, then the localisation block (in two stages with locate_frame_steps), each with its own
         # checkpoints, so a kill in any phase resumes there
-        framed: list = []  # the frame stage's examples: the block's first ones
+        frame_examples: list = []  # the frame stage's rendered examples: the block's first ones
         for name, dialogues, config in (("pretrain", pretrain, params.pretrain_config),
                                         ("locate_frame", frame, params.locate_frame_config),
                                         ("locate", locate, params.locate_config)):
             if not dialogues:
                 continue
             rest = dialogues[len(frame):] if name == "locate" else dialogues  # the frame stage's are rendered
-            block = framed + render_examples(rest, proc, params.max_len, desc=f"rendering {name} data")
+            block = frame_examples + render_examples(rest, proc, params.max_len, desc=f"rendering {name} data")
             _check_masks(block, tok)
             # the block keeps seeing phase 1's data: alone, its 600 steps erased the copying (README, Results)
             kept = _mix(pool, len(block), params.locate_mix, params.seed) if name != "pretrain" else []
@@ -710,11 +710,11 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
             if kept:
                 pre_stats[f"{name}_mixed_examples"] = len(kept)
             if name == "locate_frame":
-                framed = block
+                frame_examples = block
             else:
                 pool += block
         mixed = _mix(pool, len(examples), params.mix_pretrain, params.seed)
-        del pool, pretrain, locate, frame, framed  # the pixels of what is not mixed in are not needed in phase 2
+        del pool, pretrain, locate, frame, frame_examples  # the pixels not mixed in are not needed in phase 2
         summary = train_sft(model, examples + mixed, params.train_config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"], live_dir=outputs["live"], fp=keys["train"])
         if not all(torch.isfinite(torch.tensor([l for _, l in summary["history"]]))):

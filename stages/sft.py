@@ -31,7 +31,8 @@ What it does
        localisation drills (:mod:`mars.synth.locate`: the first zoom on freshly drawn scenes with the world's grid
        and frame; ``pretrain_locate``; with ``locate_answers`` > 0 that share of the perception ones go on to the
        crop and the answer) and zoom captions (:func:`mars.synth.captions.zoom_captions`: read a new
-       emblem at a zoom's scale). These stand in for the base model's pre-training (a random-init tiny model cannot
+       emblem at a zoom's scale); the emblems these and phase 0 draw anew take any palette colours, or with
+       ``emblem_colours: world`` the world's own colour schemes (:func:`world_colours`). These stand in for the base model's pre-training (a random-init tiny model cannot
        read emblems or copy names from its context, and the multimodal trajectories are too costly per step to teach
        it); checkpoints in ``--checkpoints``/pretrain. With ``locate_steps`` > 0 the vision drills (localisation
        drills and zoom captions, :func:`vision_drills`) are not mixed into phase 1 but get a block of their own
@@ -88,7 +89,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -108,6 +109,7 @@ from mars.world.questions import asked_attributes
 from mars.world.scenes import SceneConfig
 
 SECTION = "sft"
+EMBLEM_COLOURS = ("palette", "world")  # sft.emblem_colours: any palette colours | the world's schemes (world_colours)
 TEACHER_CHUNK = 64  # teacher episodes played at once (bounds the memory of full-resolution scenes)
 # The training phases in order, and the params only each of the later ones reads (every other param is in every
 # phase's key, :func:`phase_keys`): a change of these keeps the phases before their owner.
@@ -141,6 +143,8 @@ class Params:
     pretrain_locate: int = 0  # localisation drills: zoom on the red frame of a freshly drawn scene (mars.synth.locate)
     pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
     locate_answers: float = 0.0  # share of the perception localisation drills that go on to the crop and answer
+    emblem_colours: str = "palette"  # the colours of the emblems drawn anew (phase 0's crops, the localisation
+    #                                  drills, zoom captions, the block's checks): palette (any) | world (its schemes)
     locate_steps: int = 0  # > 0: the pretrain_locate drills get a block of their own, these steps after phase 1
     locate_target: float = 0.0  # > 0: the block stops once its first zoom frames this share of held-out scenes
     locate_check_scenes: int = 40  # the held-out scenes of that check (asked at every checkpoint)
@@ -248,6 +252,8 @@ class Params:
                                  f"{self.vision_pretrain_images}")
         if not 0.0 <= self.drill_chains <= 1.0:
             raise ValueError(f"sft.drill_chains must be in [0, 1], got {self.drill_chains}")
+        if self.emblem_colours not in EMBLEM_COLOURS:
+            raise ValueError(f"sft.emblem_colours must be one of {EMBLEM_COLOURS}, got {self.emblem_colours!r}")
         if not 0.0 <= self.locate_answers <= 1.0:
             raise ValueError(f"sft.locate_answers must be in [0, 1], got {self.locate_answers}")
         for k in ("mix_pretrain", "locate_mix"):
@@ -542,6 +548,23 @@ def vision_drills(params: Params, scene: SceneConfig, system: str | None = None,
             + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed, attributes=attributes))
 
 
+def world_colours(params: Params, scene: SceneConfig | None, world_dir: Path) -> SceneConfig | None:
+    """``scene`` with the colour schemes of the world's entity emblems (:func:`mars.world.emblems.schemes_of`) when
+    ``emblem_colours`` is world, so the emblems drawn anew for phase 0, the localisation drills, the zoom captions
+    and the block's checks are coloured as the world's are (the default world's six schemes: six fills for the
+    colour questions to name, not the palette's 16); else ``scene`` as it is."""
+    if scene is None or params.emblem_colours == "palette":
+        return scene
+    from mars.world.emblems import schemes_of
+
+    path = world_dir / "entities.parquet"
+    emblems = [r["emblem"] for r in read_table(path, ENTITIES).to_pylist() if r["emblem"]]
+    if not emblems:
+        raise ValueError(f"sft.emblem_colours = world colours the drawn emblems as the world's entities are, but "
+                         f"{path} has no emblems (a world of your own images?); set sft.emblem_colours: palette")
+    return replace(scene, schemes=schemes_of(emblems))
+
+
 def _check_scene(params: Params, scene: SceneConfig | None) -> None:
     drawn = params.locate_steps or (params.pretrain_steps and (params.pretrain_locate or params.pretrain_zoom_captions))
     if (drawn or params.vision_pretrain_steps) and scene is None:
@@ -626,6 +649,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
 
     _check_scene(params, scene)  # before the teacher's minutes
     _check_arch(params, agent)
+    scene = world_colours(params, scene, inputs["world_dir"])
     torch.set_num_threads(max(1, torch.get_num_threads()))
     all_questions = read_table(inputs["questions"], QUESTIONS).to_pylist()
     questions = [q for q in all_questions if q["split"] == "sft"]

@@ -147,9 +147,9 @@ def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float
 
 def zoom_crop(scene: SceneConfig, rng: np.random.Generator, max_side: int = ZOOM_LONG_SIDE,
               spec: dict | None = None) -> tuple[Image.Image, dict]:
-    """``(crop, emblem spec)``: a NEW random emblem (or the emblem ``spec`` given) drawn as a zoom on ``scene``'s
-    target zone shows it (module docstring, "Zoom captions"), scaled down to ``max_side`` pixels on its long side
-    when longer."""
+    """``(crop, emblem spec)``: a NEW random emblem (in one of ``scene.schemes`` when it has them; or the emblem
+    ``spec`` given) drawn as a zoom on ``scene``'s target zone shows it (module docstring, "Zoom captions"), scaled
+    down to ``max_side`` pixels on its long side when longer."""
     w, h = scene_size(rng, scene.long_side_min, scene.long_side_max, scene.grid_rows, scene.grid_cols)
     x0, y0, x1, y1 = zone_box(w, h, scene.grid_rows, scene.grid_cols, 0, 0, scene.target_zone)
     zw, zh = x1 - x0, y1 - y0
@@ -158,7 +158,7 @@ def zoom_crop(scene: SceneConfig, rng: np.random.Generator, max_side: int = ZOOM
     small = background(rng, max(1, w // k), max(1, h // k))
     crop = small.crop((x0 // k, y0 // k, max(x0 // k + 1, x1 // k), max(y0 // k + 1, y1 // k)))
     img = add_tiled_noise(crop.resize((zw, zh), Image.Resampling.BILINEAR), rng, int(rng.integers(2, 7)))
-    spec = random_emblem(rng) if spec is None else spec
+    spec = random_emblem(rng, scene.schemes) if spec is None else spec
     size_px = max(12, int(round(scene.emblem_frac * min(w, h) * rng.uniform(0.85, 1.15))))
     emblem = render_emblem(spec, size_px, float(rng.uniform(-20, 20)))
     ex, ey = max(0, zw - emblem.width), max(0, zh - emblem.height)

@@ -3,7 +3,7 @@
 What it does
     :func:`locate_dialogues` draws ``n`` new scenes with the world's scene generator
     (:func:`mars.world.scenes.render_scene`, the world's grid, frame, clutter and target zone, random emblems that
-    belong to no entity) at about twice the policy's view, and writes one-turn dialogues: the user turn holds the
+    belong to no entity, coloured with the scene knobs' ``schemes`` when it has them) at about twice the policy's view, and writes one-turn dialogues: the user turn holds the
     scene and a perception or multi-hop question (the synthesize stage's templates; the perception questions ask
     about one of ``attributes``, those the synthesized questions ask), the assistant turn is the
     teacher's first move, ``image_zoom_in`` on the framed cell's target zone
@@ -95,7 +95,7 @@ def locate_dialogues(
         return []
     rng = np.random.default_rng([seed, 41])
     answer_rng = np.random.default_rng([seed, 47])  # its own stream: the drawn scenes do not depend on answer_share
-    pool = [random_emblem(rng) for _ in range(max(_EMBLEM_POOL, scene.emblems_max))]
+    pool = [random_emblem(rng, scene.schemes) for _ in range(max(_EMBLEM_POOL, scene.emblems_max))]
     years = [str(y) for y in range(1700, 2021)]
     out: list[list[dict]] = []
     for _ in range(n):

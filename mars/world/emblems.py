@@ -6,11 +6,11 @@ An emblem spec is a small JSON-serialisable dict::
      "glyph": "K" or None, "pattern": "stripes" or None}
 
 with two or three distinct colours (each from ``PALETTE``, named by ``COLOUR_NAMES``) and at least one of
-glyph / pattern. :func:`random_emblem`
-draws one, :func:`emblem_json` serialises it canonically (sorted keys, stored in
-``entities.emblem``), :func:`render_emblem` draws it as an RGBA image of a given size and
-rotation (supersampled, so small renderings stay clean), and :func:`render_gallery_image` makes one
-noisy, jittered gallery rendering on a random background.
+glyph / pattern. :func:`random_emblem` draws one (from shared colour schemes when given:
+:func:`schemes_of` reads a world's), :func:`emblem_json` serialises it canonically (sorted keys, stored in
+``entities.emblem``), :func:`render_emblem` draws it as an RGBA image of a given size and rotation
+(supersampled, so small renderings stay clean), and :func:`render_gallery_image` makes one noisy, jittered gallery
+rendering on a random background.
 
 Try it: ``python -m mars.world.emblems OUT.png`` writes a sheet of 24 random emblems.
 """
@@ -22,7 +22,7 @@ import functools
 import json
 import math
 import sys
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
@@ -84,7 +84,14 @@ def colour_schemes(rng: np.random.Generator, n: int) -> list[ColourScheme]:
     return out
 
 
-def random_emblem(rng: np.random.Generator, schemes: list[ColourScheme] | None = None) -> EmblemSpec:
+def schemes_of(emblems: Iterable[str | EmblemSpec]) -> tuple[ColourScheme, ...]:
+    """The distinct colour schemes (fill, border, accent) of ``emblems`` (specs or their JSON, as stored in
+    ``entities.emblem``), sorted: what :func:`random_emblem` draws from to colour new emblems as a world's are."""
+    specs = [json.loads(e) if isinstance(e, str) else e for e in emblems]
+    return tuple(sorted({(s["fill"], s["border"], s["accent"]) for s in specs}, key=lambda c: (c[0], c[1], c[2] or "")))
+
+
+def random_emblem(rng: np.random.Generator, schemes: Sequence[ColourScheme] | None = None) -> EmblemSpec:
     """Draw one emblem spec: shape, 2-3 colours (fill/border contrast ensured), glyph and/or pattern.
 
     With ``schemes``, the colours are one of those shared schemes: entities then differ by

@@ -60,6 +60,10 @@ class SceneConfig:
     target_zone: float = 0.4
     emblems_min: int = 3
     emblems_max: int = 6
+    # the colour schemes (fill, border, accent) of emblems drawn anew for these scenes (the SFT drills' and captions'
+    # emblems, of no entity): () = any palette colours; a world's own (mars.world.emblems.schemes_of) with
+    # sft.emblem_colours = world
+    schemes: tuple[tuple[str, str, str | None], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -352,6 +352,35 @@ def test_sft_teacher_error_ends_the_drill_drawing_and_writes_nothing(built, tmp_
     assert not (tmp_path / "out").exists() and not (tmp_path / "m.json").exists()
 
 
+def test_sft_emblem_colours_world_colours_the_drawn_emblems_as_the_worlds(built, tmp_path):
+    """sft.emblem_colours: palette leaves the scene knobs as they are; world adds the colour schemes of the world's
+    entity emblems (the smoke world shares 2), which the drills and captions then draw with (tests/synth)."""
+    from dataclasses import replace
+
+    import pyarrow as pa
+
+    b = built
+    scene = world.world_spec(load_params("world", world.Params, b.params)).scene_config()
+    assert scene.schemes == ()
+    palette = load_params("sft", sft.Params, b.params)
+    assert palette.emblem_colours == "palette" and sft.world_colours(palette, scene, b.tmp / "world") is scene
+    own = load_params("sft", sft.Params, write_params(tmp_path, "wc", profile={"sft": {"emblem_colours": "world"}}))
+    coloured = sft.world_colours(own, scene, b.tmp / "world")
+    emblems = [json.loads(r["emblem"]) for r in pq.read_table(b.tmp / "world/entities.parquet").to_pylist()]
+    assert set(coloured.schemes) == {(e["fill"], e["border"], e["accent"]) for e in emblems}
+    assert len(coloured.schemes) == 2 and replace(coloured, schemes=()) == scene
+    assert sft.world_colours(own, None, b.tmp / "world") is None  # no drawing, nothing to colour
+    table = pq.read_table(b.tmp / "world/entities.parquet")
+    (tmp_path / "plain").mkdir()
+    pq.write_table(table.set_column(table.schema.get_field_index("emblem"), table.schema.field("emblem"),
+                                    pa.array([""] * table.num_rows)), tmp_path / "plain/entities.parquet")
+    with pytest.raises(ValueError, match=r"sft.emblem_colours = world colours the drawn emblems as the world's "
+                                         r"entities are, but .*plain/entities.parquet has no emblems"):
+        sft.world_colours(own, scene, tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"sft.emblem_colours must be one of \('palette', 'world'\), got 'all'"):
+        load_params("sft", sft.Params, write_params(tmp_path, "bad", profile={"sft": {"emblem_colours": "all"}}))
+
+
 def test_play_and_draw_takes_one_or_two_workers_only(tmp_path):
     params = load_params("sft", sft.Params, write_params(tmp_path, "w", profile={}))
     with pytest.raises(ValueError, match="workers must be 1 or 2, got 3"):

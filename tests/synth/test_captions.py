@@ -141,3 +141,22 @@ def test_zoom_captions_ask_only_the_given_attributes():
             assert parse_turn(assistant["content"]).answer not in ("", "None"), assistant["content"]
     with pytest.raises(ValueError, match="non-empty subset"):
         zoom_captions(scene, n=1, attributes=("size",))
+
+
+def test_zoom_captions_name_only_the_scenes_scheme_fills():
+    """sft.emblem_colours = world: with the world's colour schemes in the scene knobs the captions' new emblems are
+    coloured as the world's, so their colour answers are the schemes' fills (two here), each drawn about as often."""
+    from collections import Counter
+    from dataclasses import replace
+
+    from mars.synth.captions import zoom_captions
+    from mars.world.emblems import PALETTE
+
+    scene = replace(WorldSpec().scene_config(), schemes=((PALETTE[2], PALETTE[13], None),
+                                                         (PALETTE[9], PALETTE[14], PALETTE[6])))  # sky, maroon
+    dialogues = zoom_captions(scene, n=40, seed=1, mcq_share=0.0, attributes=("colour",), max_side=64)
+    counts = Counter(parse_turn(a["content"]).answer for _, a in dialogues)
+    assert set(counts) == {"sky", "maroon"} and min(counts.values()) >= 12, counts  # 40 draws of 2
+    free = zoom_captions(WorldSpec().scene_config(), n=40, seed=1, mcq_share=0.0, attributes=("colour",),
+                         max_side=64)
+    assert len({parse_turn(a["content"]).answer for _, a in free}) >= 10  # 40 draws of the palette's 16

@@ -200,3 +200,35 @@ def test_held_out_reads_with_mcq_share_zero_ask_open_questions_only():
     assert len(open_answers) == 12 and all(a in ATTRIBUTES["colour"] for a in open_answers)
     _, mixed = held_out_reads(scene, 12, seed=7, system="S", attributes=["colour"])
     assert any(a in "ABCD" for a in mixed) and any(a in ATTRIBUTES["colour"] for a in mixed)
+
+
+def test_drills_and_their_reads_colour_new_emblems_with_the_scenes_schemes():
+    """sft.emblem_colours = world: with the world's colour schemes in the scene knobs, every emblem a drill draws
+    (the framed target and the clutter around it) is coloured with one of them, and the open colour reads the block's
+    check asks name only their fills; without schemes the drills draw the whole palette."""
+    from dataclasses import replace
+
+    from mars.synth.captions import zoom_crop
+    from mars.synth.locate import held_out_reads
+    from mars.world.emblems import COLOUR_NAMES, PALETTE
+
+    schemes = ((PALETTE[0], PALETTE[14], None), (PALETTE[6], PALETTE[13], PALETTE[10]))  # navy/white, yellow/black/purple
+    scene = replace(WorldSpec().scene_config(), schemes=schemes)
+    _, answers = held_out_reads(scene, 24, seed=3, system="S", attributes=["colour"], mcq_share=0.0)
+    assert set(answers) == {"navy", "yellow"}, Counter(answers)
+    # the answered drills' crops draw their target with zoom_crop on the same scene: a fresh emblem is a scheme's
+    for i in range(20):
+        _, spec = zoom_crop(scene, np.random.default_rng([9, i]), max_side=64)
+        assert (spec["fill"], spec["border"], spec["accent"]) in schemes
+    _, palette = held_out_reads(WorldSpec().scene_config(), 24, seed=3, system="S", attributes=["colour"],
+                                mcq_share=0.0)
+    assert len(set(palette)) >= 8 and set(palette) <= set(COLOUR_NAMES.values())  # 24 draws of 16 colours
+    # the scenes' clutter too: a drawn scene holds the framed emblem and others, all in the schemes' colours, so no
+    # pixel of the palette's other strong colours (gold, orange, green) is drawn at emblem size
+    drills = locate_dialogues(scene, n=6, seed=4, perception_share=0.0)
+    for d in drills:
+        a = np.asarray(d[0]["content"][0]["image"].convert("RGB")).astype(int)
+        for name in ("gold", "orange", "green"):
+            rgb = {v: k for k, v in COLOUR_NAMES.items()}[name]
+            target = np.array([int(rgb[i:i + 2], 16) for i in (1, 3, 5)])
+            assert (np.abs(a - target).sum(-1) < 12).sum() < 20, name

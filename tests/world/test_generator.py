@@ -17,9 +17,9 @@ from PIL import Image, ImageOps
 
 from mars.data.schemas import CORPUS, ENTITIES, GALLERY, RAW_IMAGES, WORLD_TRUTH
 from mars.world import ingest_folder
-from mars.world.emblems import emblem_json, random_emblem, render_emblem
+from mars.world.emblems import COLOUR_NAMES, PALETTE, emblem_json, random_emblem, render_emblem, schemes_of
 from mars.world.folder import image_id_for
-from mars.world.generate import WorldSpec, WorldTables, generate_world
+from mars.world.generate import WorldSpec, WorldTables, generate_world, make_entities
 from mars.world.planted import PLANTED_CASES, read_png_size
 from mars.world.scenes import (
     CUE_COLOUR,
@@ -242,6 +242,22 @@ def test_emblem_rendering_is_deterministic_and_drawn() -> None:
     alpha = np.asarray(a.getchannel("A"))
     assert alpha.max() == 255 and alpha[0, 0] == 0
     assert emblem_json(spec) == emblem_json(json.loads(emblem_json(spec)))
+
+
+def test_schemes_of_reads_a_worlds_shared_colour_schemes_and_new_emblems_keep_to_them() -> None:
+    spec = WorldSpec.smoke(n_entities=60, colour_schemes=3)
+    entities = make_entities(spec)
+    schemes = schemes_of(e.emblem for e in entities)
+    # 60 entities (and their distractors) share the world's 3 schemes and use all of them; sorted, so the draws
+    # below do not depend on the entities' order
+    assert len(schemes) == 3 and list(schemes) == sorted(schemes, key=lambda c: (c[0], c[1], c[2] or ""))
+    assert schemes_of(json.loads(e.emblem) for e in reversed(entities)) == schemes
+    assert all(f in PALETTE and b in PALETTE and a in (None, *PALETTE) for f, b, a in schemes)
+    drawn = [random_emblem(np.random.default_rng([5, i]), schemes) for i in range(60)]
+    assert {(d["fill"], d["border"], d["accent"]) for d in drawn} == set(schemes)
+    free = [random_emblem(np.random.default_rng([5, i])) for i in range(60)]
+    assert len({COLOUR_NAMES[d["fill"]] for d in free}) > 3  # without schemes any palette colour
+    assert schemes_of([]) == ()
 
 
 # --- planted traps -----------------------------------------------------------------------------

@@ -32,10 +32,11 @@ What it does
        and frame; ``pretrain_locate``; with ``locate_answers`` > 0 that share of the perception ones go on to the
        crop and the answer) and zoom captions (:func:`mars.synth.captions.zoom_captions`: read a new
        emblem at a zoom's scale); the emblems these and phase 0 draw anew take any palette colours, or with
-       ``emblem_colours: world`` the world's own colour schemes (:func:`world_colours`). These stand in for the base model's pre-training (a random-init tiny model cannot
-       read emblems or copy names from its context, and the multimodal trajectories are too costly per step to teach
-       it); checkpoints in ``--checkpoints``/pretrain. With ``locate_steps`` > 0 the vision drills (localisation
-       drills and zoom captions, :func:`vision_drills`) are not mixed into phase 1 but get a block of their own
+       ``emblem_colours: world`` the world's own colour schemes (:func:`world_colours`). These stand in for the base
+       model's pre-training (a random-init tiny model cannot read emblems or copy names from its context, and the
+       multimodal trajectories are too costly per step to teach it); checkpoints in ``--checkpoints``/pretrain.
+       With ``locate_steps`` > 0 the vision drills (localisation drills and zoom captions, :func:`vision_drills`)
+       are not mixed into phase 1 but get a block of their own
        after it: ``locate_steps`` steps on them and a seeded ``locate_mix`` share of phase 1's examples (rates
        ``lr`` and ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision
        tower needs (README: localisation); without phase 1's examples the block erased the copying phase 1 taught

@@ -99,7 +99,7 @@ def test_post_init_validation_is_reported(tmp_path):
 
 def test_repository_params_are_valid():
     proc = sh([sys.executable, "-m", "mars.cli", "params", "check"], REPO)
-    assert "ok (profile default" in proc.stdout
+    assert "ok (profile colour" in proc.stdout
 
 
 def test_typo_fails_before_any_work(toy_repo):

@@ -3,10 +3,10 @@
 What it does
     :func:`locate_dialogues` draws ``n`` new scenes with the world's scene generator
     (:func:`mars.world.scenes.render_scene`, the world's grid, frame, clutter and target zone, random emblems that
-    belong to no entity, coloured with the scene knobs' ``schemes`` when it has them) at about twice the policy's view, and writes one-turn dialogues: the user turn holds the
-    scene and a perception or multi-hop question (the synthesize stage's templates; the perception questions ask
-    about one of ``attributes``, those the synthesized questions ask), the assistant turn is the
-    teacher's first move, ``image_zoom_in`` on the framed cell's target zone
+    belong to no entity, coloured with the scene knobs' ``schemes`` when it has them) at about twice the policy's
+    view, and writes one-turn dialogues: the user turn holds the scene and a perception or multi-hop question (the
+    synthesize stage's templates; the perception questions ask about one of ``attributes``, those the synthesized
+    questions ask), the assistant turn is the teacher's first move, ``image_zoom_in`` on the framed cell's target zone
     (:func:`mars.agent.oracle.zone_zoom_box`) with one of the teacher's ``<think>`` wordings for the question's
     type and its zoom label (:data:`mars.agent.teacher.ZOOM_LABEL`: the plan, answer or search, is stated before
     the zoom, as the teacher does). By default nothing after the zoom is written: the drill teaches where to look,

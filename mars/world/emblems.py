@@ -88,7 +88,8 @@ def schemes_of(emblems: Iterable[str | EmblemSpec]) -> tuple[ColourScheme, ...]:
     """The distinct colour schemes (fill, border, accent) of ``emblems`` (specs or their JSON, as stored in
     ``entities.emblem``), sorted: what :func:`random_emblem` draws from to colour new emblems as a world's are."""
     specs = [json.loads(e) if isinstance(e, str) else e for e in emblems]
-    return tuple(sorted({(s["fill"], s["border"], s["accent"]) for s in specs}, key=lambda c: (c[0], c[1], c[2] or "")))
+    schemes = {(s["fill"], s["border"], s["accent"]) for s in specs}
+    return tuple(sorted(schemes, key=lambda c: (c[0], c[1], c[2] or "")))
 
 
 def random_emblem(rng: np.random.Generator, schemes: Sequence[ColourScheme] | None = None) -> EmblemSpec:

@@ -212,7 +212,8 @@ def test_drills_and_their_reads_colour_new_emblems_with_the_scenes_schemes():
     from mars.synth.locate import held_out_reads
     from mars.world.emblems import COLOUR_NAMES, PALETTE
 
-    schemes = ((PALETTE[0], PALETTE[14], None), (PALETTE[6], PALETTE[13], PALETTE[10]))  # navy/white, yellow/black/purple
+    # navy on white; yellow on black with purple
+    schemes = ((PALETTE[0], PALETTE[14], None), (PALETTE[6], PALETTE[13], PALETTE[10]))
     scene = replace(WorldSpec().scene_config(), schemes=schemes)
     _, answers = held_out_reads(scene, 24, seed=3, system="S", attributes=["colour"], mcq_share=0.0)
     assert set(answers) == {"navy", "yellow"}, Counter(answers)

@@ -14,7 +14,7 @@ from mars.model.build import CompiledTextLayers, cpp_compiler
 from mars.train.optim import OptimConfig
 from mars.train.sft import SFTConfig, train_sft
 from tests.model.test_model import tiny_stack
-from tests.train.test_length_split import _examples
+from tests.train.test_length_split import mixed_length_examples
 
 pytestmark = pytest.mark.skipif(cpp_compiler() is None, reason="torch.compile's CPU backend needs a C++ compiler")
 
@@ -26,7 +26,7 @@ def _cfg(compile: bool) -> SFTConfig:
 
 def test_compiled_layers_train_the_same_run_as_eager(tmp_path):
     _, proc, base = tiny_stack()
-    examples = _examples(proc)
+    examples = mixed_length_examples(proc)
     layer_types = [type(layer) for layer in base.model.language_model.layers]
     keys = list(base.state_dict())
     runs = {}
@@ -67,6 +67,6 @@ def test_without_a_cpp_compiler_training_runs_eager_and_says_so(tmp_path, monkey
     with layers:
         assert list(base.model.language_model.layers) == before
     model = copy.deepcopy(base)
-    res = train_sft(model, _examples(proc), _cfg(True), pad_id=proc.tokenizer.pad_token_id, ckpt_dir=tmp_path / "c",
-                    live_dir=None, fp="f")
+    res = train_sft(model, mixed_length_examples(proc), _cfg(True), pad_id=proc.tokenizer.pad_token_id,
+                    ckpt_dir=tmp_path / "c", live_dir=None, fp="f")
     assert res["compiled"] is False and res["steps"] == 4

@@ -31,7 +31,7 @@ def test_length_chunks_orders_longest_first_and_cuts_near_equal_runs():
     assert sum(len(r) * max(lengths[i] for i in r) for r in runs) == 3 * 310 + 2 * 40 + 2 * 7 == 1024
 
 
-def _examples(proc) -> list:
+def mixed_length_examples(proc) -> list:
     """Six dialogues of 4 lengths (two with an image), so a batch of six pads a lot when whole."""
     base = dialogues()
     texts = [[{"role": "user", "content": "find the city " + "north " * n},
@@ -43,7 +43,7 @@ def test_split_batches_train_the_same_run_as_whole_ones(tmp_path):
     """The loss of every sub-batch is divided by the label tokens of the whole batch, so the summed gradient is the
     whole batch's: 4 steps at length_split 1, 2 and 4 give the same losses and weights to float rounding."""
     _, proc, base = tiny_stack()
-    examples = _examples(proc)
+    examples = mixed_length_examples(proc)
     assert len({len(e.input_ids) for e in examples}) >= 5
     runs = {}
     for k in (1, 2, 4):

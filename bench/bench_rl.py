@@ -122,7 +122,7 @@ def run_ours(init: dict, vocab: int, proc, questions: list[dict], ns, tmp: Path,
         per_step.append(score_t[0])
         score_t[0] = 0.0
 
-    cfg = RLConfig(optim=OptimConfig(lr=LR, vision_lr=LR, warmup_steps=0, schedule="constant", max_steps=ns.steps),
+    cfg = RLConfig(optim=OptimConfig(lr=LR, vision_lr=LR, warmup_steps=0, schedule="constant"), steps=ns.steps,
                    algorithm="grpo", prompts_per_step=ns.prompts, group_size=ns.group, temperature=1.0,
                    mini_batches=1, ppo_epochs=1, micro_batch_size=ns.prompts * ns.group, checkpoint_every=10**6,
                    collapse_window=10**6, seed=0)
@@ -240,7 +240,7 @@ def memory_child(ns) -> int:
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         eng = EngineConfig(max_turns=6, max_new_tokens_per_turn=96, max_total_tokens=256, min_pixels=3136,
                            max_pixels=50176, prompt="compact", tool_workers=4)
-        cfg = RLConfig(optim=OptimConfig(lr=2e-4, vision_lr=2e-4, warmup_steps=0, schedule="constant", max_steps=1),
+        cfg = RLConfig(optim=OptimConfig(lr=2e-4, vision_lr=2e-4, warmup_steps=0, schedule="constant"), steps=1,
                        prompts_per_step=ns.mem_prompts, group_size=ns.mem_group, checkpoint_every=10**6, seed=0)
         t0 = time.perf_counter()
         s = train_rl(model, proc, qs, toolbox, eng, cfg, ckpt_dir=root / "ckpt", live_dir=None, fp="mem",

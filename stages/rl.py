@@ -78,7 +78,8 @@ class Params:
         from mars.train.rl import RLConfig
 
         optim = OptimConfig(lr=self.lr, vision_lr=self.vision_lr, warmup_steps=self.warmup_steps,
-                            schedule=self.schedule, max_steps=self.steps, clip_norm=self.clip_norm,
+                            schedule=self.schedule, max_steps=self.steps * self.ppo_epochs * self.mini_batches,
+                            clip_norm=self.clip_norm,
                             freeze_vision=self.freeze_vision, deepspeed_stage=self.deepspeed_stage, weight_decay=0.0)
         shared = {f.name: getattr(self, f.name) for f in fields(RLConfig) if f.name != "optim"}
         return RLConfig(optim=optim, **shared)
@@ -94,7 +95,7 @@ def _window(history: list[dict], key: str, first: bool, n: int = 5) -> float | N
     if not vals:
         return None
     part = vals[:n] if first else vals[-n:]
-    return round(float(np.mean(part)), 4)
+    return float(np.mean(part))
 
 
 def remote_backend_factory(params: Params, processor, save_dir: Path):
@@ -148,8 +149,8 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         atomic_write_text(out / "monitors.json", json.dumps(history, indent=1) + "\n")
     metrics = {"algorithm": params.algorithm, "estimator": summary["estimator"], "level": summary["level"],
                "steps": params.steps, "resumed_from": summary["resumed_from"], "peak_rss_mb": summary["peak_rss_mb"]}
-    for key in ("reward", "accuracy", "tool_calls", "degenerate_groups", "clip_frac", "approx_kl", "entropy",
-                "response_tokens"):
+    for key in ("reward", "reward_answer", "reward_format", "accuracy", "tool_calls", "degenerate_groups",
+                "clip_frac", "approx_kl", "approx_kl_max", "grad_norm", "logp_gap", "entropy", "response_tokens"):
         metrics[f"{key}_first"] = _window(history, key, True)
         metrics[f"{key}_last"] = _window(history, key, False)
     for key in ("t_rollout", "t_old_logp", "t_update"):

@@ -34,8 +34,15 @@ What it does
 
 Messages format (what a :class:`PolicyBackend` receives)
     ``{"role": "system" | "user" | "assistant", "content": str | [{"type": "text", "text": ...} |
-    {"type": "image", "image": PIL.Image}]}``. The dialogue lists are the engine's own: backends must not mutate
-    them.
+    {"type": "image", "image": PIL.Image}]}``; assistant messages may also hold ``"token_ids"`` (see below). The
+    dialogue lists are the engine's own: backends must not mutate them.
+
+Sampled tokens
+    When the backend returns the ids it sampled, the assistant message carries them (``"token_ids"``) beside its
+    text, and :func:`mars.model.chat.render` renders the turn from them: an in-process policy conditions its later
+    turns on, and the RL trainer trains, exactly those ids, never a re-tokenisation of the text. Over HTTP the
+    server renders earlier turns from their text (the OpenAI chat API carries no ids), so a sampled split that the
+    tokenizer would not produce changes the server's context of later turns; the trainer logs the gap.
 
 Token accounting
     The budget counts GENERATED tokens only (tool outputs are masked out of the loss and do not count in GSPO's
@@ -310,7 +317,10 @@ def _apply_generation(ep: _Episode, g: Generation, cfg: EngineConfig) -> ParsedT
     if g.finish_reason == "error":
         ep.finish = "backend_error"
         return None
-    ep.messages.append({"role": "assistant", "content": text})
+    msg: dict = {"role": "assistant", "content": text}
+    if g.token_ids is not None:
+        msg["token_ids"] = [int(t) for t in g.token_ids]  # what the policy sampled: rendered and trained as is
+    ep.messages.append(msg)
     ep.turn_tokens.append(_count_tokens(g))
     ep.tokens += ep.turn_tokens[-1]
     if ep.token_ids is not None:

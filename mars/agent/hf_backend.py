@@ -8,8 +8,12 @@ What it does
     string (``"stop"``; text ends with the stop string, tokens up to the one completing it), or the budget
     (``"length"``). Greedy when ``temperature == 0``; otherwise sampling with ``temperature``/``top_p`` from a
     ``torch.Generator`` state seeded by ``seed``.
-    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the model's raw distribution
-    (``log_softmax`` of the logits, before temperature/top-p): what a trainer recomputes for the policy ratio.
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` at the sampling temperature (``log_softmax`` of
+    ``logits / temperature``; of the raw logits when greedy), before top-p: what the RL trainer computes for the
+    policy ratio (as TRL and verl do). A vLLM server returns the same with ``--logprobs-mode processed_logprobs``
+    (its default, ``raw_logprobs``, ignores the temperature). Vision placeholder tokens are never sampled (their
+    logits are -inf: only image items make them; :func:`mars.model.chat.vision_token_ids`), and the log-probs
+    are of that distribution, as the RL trainer computes them.
 
     Episode cache (``episode_cache=True``, the default): the engine calls :meth:`HFBackend.generate` once per step
     with every unfinished dialogue, each grown by an assistant turn and a tool turn since the last call. After a
@@ -58,9 +62,17 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from mars.agent.engine import Generation  # the one result type every backend returns
-from mars.model.chat import render, render_batch
+from mars.model.chat import render, render_batch, vision_token_ids
 
 __all__ = ["Generation", "HFBackend"]
+
+
+def _logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, suppress: list[int]) -> torch.Tensor:
+    """Log-probs [B, S] of ``ids`` [B, S] under ``logits`` [B, S, V] at the sampling temperature (raw when greedy),
+    the ``suppress`` ids excluded as when sampling."""
+    scaled = logits.float() / temperature if temperature > 0 else logits.float().clone()
+    scaled[..., suppress] = float("-inf")
+    return torch.log_softmax(scaled, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
 
 
 class _StopStrings(StoppingCriteria):
@@ -173,6 +185,7 @@ class HFBackend:
         self.device = device
         ids = self.tokenizer.convert_tokens_to_ids
         self.eos_ids = [i for i in (ids("<|im_end|>"), ids("<|endoftext|>")) if i is not None]
+        self.suppress = vision_token_ids(self.tokenizer)  # never sampled: only image items make vision tokens
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
         self.min_prefix = min_prefix
         self._prefix: tuple[tuple[int, ...], object] | None = None  # (shared prompt prefix ids, its KV cache)
@@ -218,6 +231,7 @@ class HFBackend:
             out = self.model.generate(
                 **inputs,
                 max_new_tokens=max_new_tokens,
+                suppress_tokens=self.suppress or None,
                 eos_token_id=self.eos_ids,
                 pad_token_id=self.pad_id,
                 stopping_criteria=criteria,
@@ -227,7 +241,7 @@ class HFBackend:
             )
         seqs = out.sequences[:, prompt_len:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, steps, V]
-        lp_all = torch.log_softmax(logits, dim=-1).gather(-1, seqs[:, : logits.shape[1], None]).squeeze(-1)
+        lp_all = _logprobs(logits, seqs[:, : logits.shape[1]], temperature, self.suppress)
         return [self._finish(seqs[b].tolist(), lp_all[b].tolist(), stop, max_new_tokens) for b in range(len(seqs))]
 
     def _inputs(self, dialogues: list[list[dict]]):
@@ -444,6 +458,7 @@ class HFBackend:
             cache = getattr(out, "cache", None) or out.past_key_values
             logits = head(out.last_hidden_state[rows_ix, last]).float()
             for step in range(max_new_tokens):
+                logits[:, self.suppress] = float("-inf")
                 gen_logits.append(logits)
                 if warpers:
                     scores = logits
@@ -464,7 +479,7 @@ class HFBackend:
                            position_ids=(next_pos + step).view(1, B, 1).expand(3, B, 1))
                 logits = head(out.last_hidden_state[:, -1]).float()
         seqs = torch.stack(gen_tokens, 1).cpu()
-        lp_all = torch.log_softmax(torch.stack(gen_logits, 1).cpu(), dim=-1).gather(-1, seqs[..., None]).squeeze(-1)
+        lp_all = _logprobs(torch.stack(gen_logits, 1).cpu(), seqs, temperature, self.suppress)
         gens = [self._finish(seqs[b].tolist(), lp_all[b].tolist(), stop, max_new_tokens) for b in range(B)]
         # 4. keep every row's keys/values: prompt + the generated tokens it kept that were fed back
         fed = len(gen_tokens) - 1

@@ -11,8 +11,12 @@ What it does
     A ``tool`` message (a tool's result) is rendered as a *user* turn whose text is
     ``<tool_response>\\n...\\n</tool_response>`` (left as is when the text already starts with ``<tool_response>``,
     as :func:`mars.agent.protocol.format_tool_response` writes it) followed by the message's images, as the reference
-    release does. The text is identical to ``tokenizer.apply_chat_template(messages)`` of
-    :mod:`mars.model.tokenizer`'s template, and the ids to ``processor(text=..., images=...)`` on it (tested).
+    release does. An assistant message with ``"token_ids"`` (a rollout's turn, :mod:`mars.agent.engine`) is rendered
+    from those ids, not from its text: the loss mask is 1 on exactly the sampled ids, and a turn that did not end
+    with ``<|im_end|>`` (cut by a stop string or the token budget) gets one as context with mask 0, so the policy
+    conditions on, and RL trains, exactly what it sampled. Otherwise the text is identical to
+    ``tokenizer.apply_chat_template(messages)`` of :mod:`mars.model.tokenizer`'s template, and the ids to
+    ``processor(text=..., images=...)`` on it (tested).
     :func:`render_batch` left-pads (for generation) or right-pads several dialogues into one batch.
 
 Deviations
@@ -29,7 +33,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["Rendered", "RenderedBatch", "render", "render_batch", "to_text"]
+__all__ = ["Rendered", "RenderedBatch", "render", "render_batch", "to_text", "vision_token_ids"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -75,6 +79,13 @@ class RenderedBatch:
 
 
 _VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def vision_token_ids(tokenizer) -> list[int]:
+    """Ids of the vision placeholder tokens: only image items may put them in a dialogue, so a policy never
+    samples them (the rollout backends suppress them and the RL trainer scores the same distribution)."""
+    ids = tokenizer.convert_tokens_to_ids(list(_VISION_TOKENS))
+    return sorted({int(i) for i in ids if i is not None and i != tokenizer.unk_token_id})
 
 
 def _no_vision_tokens(text: str) -> str:
@@ -157,6 +168,13 @@ def render(messages: list[dict], processor, *, add_generation_prompt: bool = Fal
         role = "user" if msg["role"] == "tool" else msg["role"]
         gen = 1 if msg["role"] == "assistant" else 0
         add([im_start] + enc(f"{role}\n"), 0)
+        sampled = msg.get("token_ids") if gen else None
+        if sampled is not None:  # a rollout's turn: exactly the ids the policy sampled, and only those trained
+            add([int(t) for t in sampled], 1)
+            if not sampled or int(sampled[-1]) != im_end:
+                add([im_end], 0)  # closes a turn cut by a stop string or the budget: context, never trained
+            add(nl, 0)
+            continue
         for it in _items(msg):
             if it["type"] == "text":
                 add(enc(it["text"]), gen)

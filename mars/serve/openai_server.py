@@ -10,9 +10,12 @@ protocol and replaces it.
 - ``POST /v1/chat/completions``: OpenAI chat messages (``system``/``user``/``assistant``/``tool``;
   content a string or parts ``{"type": "text"}`` / ``{"type": "image_url", "image_url":
   {"url": "data:image/...;base64,..."}}``), ``max_tokens``, ``temperature``, ``top_p``,
-  ``seed``, ``stop``, ``logprobs``. Answers ``chat.completion`` JSON with usage and, when
-  asked, per-token ``logprobs.content``. Like vLLM, the matched stop string is not part of
-  the returned text.
+  ``seed``, ``stop``, ``logprobs``, ``return_tokens_as_token_ids``. Answers ``chat.completion``
+  JSON with usage and, when asked, per-token ``logprobs.content``: every sampled token with its
+  log-probability at the sampling temperature (vLLM's ``--logprobs-mode processed_logprobs``),
+  named ``token_id:N`` with ``return_tokens_as_token_ids`` (as vLLM does), so a client recovers
+  the exact ids. Like vLLM, the matched stop string is not part of the returned text (its
+  tokens are in ``logprobs``).
 
 Deviations: no streaming, ``n`` must be 1, and requests are served one at a time (a lock
 around the model); remote image URLs are refused (no network): send images as data URLs.
@@ -46,6 +49,7 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     logprobs: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: each logprobs token as "token_id:N"
     n: int = 1
 
 
@@ -168,10 +172,9 @@ def create_app(backend, model_name: str, loader=load_backend):
         }
         if req.logprobs:
             tok = backend.tokenizer
+            name = (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else (lambda t: tok.decode([t]))
             choice["logprobs"] = {
-                "content": [
-                    {"token": tok.decode([t]), "logprob": lp} for t, lp in zip(gen.token_ids, gen.logprobs)
-                ]
+                "content": [{"token": name(t), "logprob": lp} for t, lp in zip(gen.token_ids, gen.logprobs)]
             }
         prompt_tokens = int(getattr(gen, "prompt_tokens", 0) or 0)
         return {

@@ -42,8 +42,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.schedule not in ("constant", "cosine", "linear"):
             raise ValueError(f"schedule must be constant, cosine or linear, got {self.schedule!r}")
-        if self.lr <= 0 or self.vision_lr <= 0 or self.max_steps < 1 or self.warmup_steps < 0:
-            raise ValueError("need lr > 0, vision_lr > 0, max_steps >= 1 and warmup_steps >= 0")
+        if self.lr < 0 or self.vision_lr < 0 or self.max_steps < 1 or self.warmup_steps < 0:  # lr 0: a frozen control
+            raise ValueError("need lr >= 0, vision_lr >= 0, max_steps >= 1 and warmup_steps >= 0")
         if self.deepspeed_stage not in (0, 2, 3):
             raise ValueError(f"deepspeed_stage must be 0 (off), 2 or 3, got {self.deepspeed_stage}")
 

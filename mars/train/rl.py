@@ -10,16 +10,23 @@ What it does
        drawn, up to ``max_refills`` rounds;
     3. advantages (:func:`mars.rl.advantages.compute_advantages`: ``bn`` = group z-score then batch z-score,
        ``grpo``, ``none``);
-    4. old log-probs recomputed on the masked model tokens of the rendered dialogues (tool outputs are masked
-       out and do not count in GSPO's |y|), then ``ppo_epochs`` x ``mini_batches`` updates of
-       :func:`mars.rl.losses.policy_loss` (``level`` ``sequence`` = GSPO, ``token`` = GRPO), micro-batched with
-       exact gradient accumulation; an optional k3 KL penalty to the frozen initial policy (``kl_beta``). With one
-       epoch and one mini-batch the ratio is exactly 1 and clipping is inert: a notice is logged, and the separate
-       old-log-prob pass is skipped (the update's own log-probs, detached, are the old ones, as in TRL).
+    4. the trained batch is each episode rendered from the token ids its policy sampled (a turn is never
+       re-tokenised from its text, and the ``<|im_end|>`` closing a turn cut by a stop string or the budget is
+       context, not trained; tool outputs are masked out and do not count in GSPO's |y|); old log-probs are the
+       rollout's own (the backend reports them at the sampling temperature), else recomputed before the step's
+       first update; then ``ppo_epochs`` x ``mini_batches`` updates of :func:`mars.rl.losses.policy_loss`
+       (``level`` ``sequence`` = GSPO, ``token`` = GRPO) on log-probs of ``logits / temperature``, micro-batched
+       with exact gradient accumulation; an optional k3 KL penalty to the frozen initial policy (``kl_beta``).
+       With one epoch and one mini-batch the ratio is exactly 1 and clipping is inert: a notice is logged. The
+       learning-rate schedule spans all ``steps x ppo_epochs x mini_batches`` optimizer updates.
     5. monitors every step (dvclive): reward and its components, accuracy, degenerate-group fraction, batch scale
-       1/std, clip fractions, approximate KL, entropy, response length, turns, tool-call rate per tool, tool error
-       rate, format-error rate. A NaN or a collapse (tool calls per episode below ``collapse_min_tool_rate`` for
-       ``collapse_window`` consecutive steps) stops the run with a clear message.
+       1/std, entropy, response length, turns, tool-call rate per tool, tool error rate, format-error rate,
+       learning rate, gradient norm (mean and max over the step's updates), and from the off-policy mini-batches (all but the
+       step's first) the approximate KL per update (mean and max), clip fractions and ratios; ``logp_gap`` is the
+       mean |trainer - rollout| log-prob on the first, on-policy mini-batch (about 1e-6 in process; larger means
+       the rollout server scores other tokens or another temperature). A NaN or a collapse (tool calls per
+       episode below ``collapse_min_tool_rate`` for ``collapse_window`` consecutive steps) stops the run with a
+       clear message.
     6. checkpoints every ``checkpoint_every`` steps (model, optimizer, scheduler, RNG states, step, sampler
        position, monitor history, rollout samples); a rerun with the same fingerprint resumes from the newest one
        and reaches the same final weights as an uninterrupted run (CPU, same seed).
@@ -43,7 +50,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -52,7 +59,7 @@ import torch
 from tqdm import tqdm
 
 from mars.agent.engine import EngineConfig, Trajectory, run_episodes
-from mars.model.chat import render
+from mars.model.chat import Rendered, render, vision_token_ids
 from mars.rl.advantages import batch_scale, compute_advantages, group_advantages
 from mars.rl.losses import entropy_from_logits, kl_penalty, loss_normalizer, masked_mean, policy_loss
 from mars.rl.rewards import RewardWeights
@@ -61,7 +68,7 @@ from mars.train.data import EpochSampler, collate, label_logits
 from mars.train.optim import OptimConfig, make_stepper
 from mars.train.sft import peak_rss_mb
 
-__all__ = ["RLConfig", "RECIPES", "train_rl", "sequence_logps", "RLCollapse"]
+__all__ = ["RLConfig", "RECIPES", "train_rl", "sequence_logps", "sampled_example", "rollout_logps", "RLCollapse"]
 log = logging.getLogger(__name__)
 
 RECIPES: dict[str, tuple[str, str]] = {"bn_gspo": ("bn", "sequence"), "gspo": ("grpo", "sequence"),
@@ -77,6 +84,7 @@ class RLCollapse(RuntimeError):
 class RLConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, vision_lr=2e-4, warmup_steps=0,
                                                                   schedule="constant", max_steps=40))
+    steps: int = 40  # RL steps (rollouts + updates); the schedule spans ``updates`` optimizer steps
     algorithm: str = "bn_gspo"
     estimator: str = ""  # "" = the recipe's
     level: str = ""
@@ -107,11 +115,19 @@ class RLConfig:
             raise ValueError(f"rl.level must be '', token or sequence, got {self.level!r}")
         if self.group_size < 2:
             raise ValueError(f"rl.group_size must be >= 2 (a group z-score needs two rollouts), got {self.group_size}")
-        for name in ("prompts_per_step", "ppo_epochs", "mini_batches", "micro_batch_size", "checkpoint_every"):
+        if not self.temperature > 0:
+            raise ValueError(f"rl.temperature must be > 0 (RL samples its rollouts), got {self.temperature}")
+        for name in ("steps", "prompts_per_step", "ppo_epochs", "mini_batches", "micro_batch_size",
+                     "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
         if self.kl_beta < 0:
             raise ValueError(f"rl.kl_beta must be >= 0, got {self.kl_beta}")
+
+    @property
+    def updates(self) -> int:
+        """Optimizer steps of the whole run (what the learning-rate schedule spans)."""
+        return self.steps * self.ppo_epochs * self.mini_batches
 
     @property
     def recipe(self) -> tuple[str, str]:
@@ -119,19 +135,50 @@ class RLConfig:
         return (self.estimator or est, self.level or lvl)
 
 
-def sequence_logps(model, batch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Token log-probs of each sequence's own next tokens: ``logp`` [B, T-1], ``mask`` [B, T-1] (model tokens),
-    and optionally the policy entropy [B, T-1]."""
+def sequence_logps(model, batch, *, temperature: float = 1.0, suppress: Sequence[int] = (),
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Token log-probs of each sequence's own next tokens at the sampling ``temperature`` (``logits / T``, the
+    ``suppress`` ids excluded, as the rollout backend samples and reports them): ``logp`` [B, T-1], ``mask``
+    [B, T-1] (model tokens), and optionally the entropy of that distribution [B, T-1]."""
     logits, labels, index = label_logits(model, batch)  # [M, V], [M], [M, 2]: only model-token positions
-    lp_sel = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)  # [M]
+    logits = logits.float() / temperature  # [M, V]
+    if suppress:
+        logits = logits.index_fill(-1, torch.as_tensor(list(suppress), device=logits.device), float("-inf"))
+    lp_sel = torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None]).squeeze(-1)  # [M]
     B, T = batch.labels.shape
     mask = batch.labels[:, :-1] != -100  # [B, T-1]: labels[t] is the token at t+1 when it is a model token
     logp = torch.zeros(B, T, dtype=lp_sel.dtype).index_put((index[:, 0], index[:, 1]), lp_sel)[:, :-1]  # [B, T-1]
     ent = None
     if with_entropy:
-        ent_sel = entropy_from_logits(logits.detach().float()[None])[0]  # [M]
+        ent_sel = entropy_from_logits(logits.detach()[None])[0]  # [M]
         ent = torch.zeros(B, T).index_put((index[:, 0], index[:, 1]), ent_sel)[:, :-1]
     return logp, mask, ent
+
+
+def sampled_example(traj: Trajectory, processor) -> Rendered:
+    """The trainer's example of one episode: its dialogue rendered from the ids the policy sampled (assistant
+    messages carry them, :mod:`mars.agent.engine`), so the loss is on exactly those ids and nothing else."""
+    r = render(traj.messages, processor)
+    if traj.token_ids is not None:
+        trained = r.input_ids[r.loss_mask.bool()].tolist()
+        if trained != list(traj.token_ids):
+            raise RuntimeError(f"episode {traj.episode_id}: the trained ids are not the {len(traj.token_ids)} "
+                               f"sampled ones ({len(trained)} trained); an assistant turn lost its token_ids")
+    return r
+
+
+def rollout_logps(trajs: Sequence[Trajectory], rendered: Sequence[Rendered]) -> dict[int, torch.Tensor] | None:
+    """The rollout's own log-probs laid out like :func:`sequence_logps` (``[T-1]`` per episode, at the model-token
+    positions), or None unless every episode has one per sampled token."""
+    out = {}
+    for i, (t, r) in enumerate(zip(trajs, rendered)):
+        if t.logprobs is None or t.token_ids is None or len(t.logprobs) != len(t.token_ids):
+            return None
+        pos = r.loss_mask[1:].bool()  # [T-1]: position t predicts token t+1
+        lp = torch.zeros(len(r.input_ids) - 1)
+        lp[pos] = torch.tensor(t.logprobs, dtype=torch.float32)
+        out[i] = lp
+    return out
 
 
 def _monitors(trajs: Sequence[Trajectory], adv_group: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
@@ -182,7 +229,7 @@ def train_rl(
     estimator, level = cfg.recipe
     make_backend = backend_factory or (lambda m: HFBackend(m, processor))
     engine = EngineConfig(**{**asdict(engine), "temperature": cfg.temperature, "top_p": cfg.top_p})
-    stepper = make_stepper(model, cfg.optim)
+    stepper = make_stepper(model, replace(cfg.optim, max_steps=cfg.updates))  # the schedule spans every update
     ref = None
     if cfg.kl_beta > 0:
         import copy
@@ -210,9 +257,10 @@ def train_rl(
                     "(the update is plain policy gradient); raise rl.mini_batches or rl.ppo_epochs to make it live")
     live = open_live(live_dir, start)
     pad_id = processor.tokenizer.pad_token_id
+    suppress = vision_token_ids(processor.tokenizer)  # the backends never sample them
     low_tool_steps = 0
-    bar = tqdm(range(start, cfg.optim.max_steps), desc=f"rl {cfg.algorithm}", unit="step", initial=start,
-               total=cfg.optim.max_steps, leave=False)
+    bar = tqdm(range(start, cfg.steps), desc=f"rl {cfg.algorithm}", unit="step", initial=start,
+               total=cfg.steps, leave=False)
     for step in bar:
         t0 = time.perf_counter()
         model.eval()
@@ -247,31 +295,34 @@ def train_rl(
         adv_group = group_advantages(rewards, gids)
         mon = _monitors(trajs, adv_group, gids)
         mon["refill_rounds"] = rounds
-        # old log-probs on the rendered dialogues (what the update differentiates)
+        # the trained batch: each episode rendered from the ids its policy sampled (only those carry a loss)
         t1 = time.perf_counter()
-        rendered = [render(t.messages, processor) for t in trajs]
-        order = list(range(len(trajs)))
-        old: dict[int, torch.Tensor] = {}
-        if not inert:  # with one epoch and one mini-batch, old = current (detached): no separate pass (as TRL)
+        rendered = [sampled_example(t, processor) for t in trajs]
+        old = rollout_logps(trajs, rendered)  # the behaviour policy's own log-probs, when the backend gave them
+        if old is None and not inert:  # recomputed by the model as it was before this step's updates
+            old = {}
             with torch.no_grad():
-                for s in range(0, len(order), cfg.micro_batch_size):
-                    idx = order[s : s + cfg.micro_batch_size]
-                    b = collate([rendered[i] for i in idx], pad_id)
-                    lp, _, _ = sequence_logps(model, b)
-                    for j, i in enumerate(idx):
-                        old[i] = lp[j]
+                for s in range(0, len(trajs), cfg.micro_batch_size):
+                    idx = list(range(s, min(s + cfg.micro_batch_size, len(trajs))))
+                    lp, _, _ = sequence_logps(model, collate([rendered[i] for i in idx], pad_id),
+                                              temperature=cfg.temperature, suppress=suppress)
+                    old.update({i: lp[j] for j, i in enumerate(idx)})
         t_old = time.perf_counter() - t1
         t2 = time.perf_counter()
+        lr_now = max(stepper.lrs().values())  # the step's first update's learning rate (the schedule's position)
         model.train()
-        stats_acc: dict[str, list[float]] = {}
+        stats_acc: dict[str, list[float]] = {}  # policy stats of the off-policy mini-batches (after the first)
         ent_vals: list[float] = []
+        gaps: list[float] = []  # |trainer - rollout| log-prob on the first, on-policy mini-batch
+        norms: list[float] = []
         rng = np.random.default_rng([cfg.seed, step, 17])
-        for _epoch in range(cfg.ppo_epochs):
+        for epoch in range(cfg.ppo_epochs):
             perm = [int(i) for i in rng.permutation(len(trajs))]
             mbs = [perm[k :: cfg.mini_batches] for k in range(cfg.mini_batches)]
-            for mb in mbs:
+            for k, mb in enumerate(mbs):
                 if not mb:
                     continue
+                on_policy = epoch == 0 and k == 0
                 micro = [mb[s : s + cfg.micro_batch_size] for s in range(0, len(mb), cfg.micro_batch_size)]
                 batches = [collate([rendered[i] for i in m_idx], pad_id) for m_idx in micro]
                 masks = [b.labels[:, :-1] != -100 for b in batches]
@@ -283,15 +334,16 @@ def train_rl(
                     r0 += len(x)
                 total = loss_normalizer(full, level)
                 for m_idx, b in zip(micro, batches):
-                    lp, mask, ent = sequence_logps(stepper.module, b, with_entropy=True)
+                    lp, mask, ent = sequence_logps(stepper.module, b, temperature=cfg.temperature, suppress=suppress,
+                                                   with_entropy=True)
                     T_ = lp.shape[1]
-                    olp = lp.detach() if inert else torch.stack(
+                    olp = lp.detach() if old is None else torch.stack(
                         [torch.nn.functional.pad(old[i], (0, max(0, T_ - len(old[i]))))[:T_] for i in m_idx])
                     loss, st = policy_loss(lp, olp, adv[m_idx], mask, level=level, clip_low=cfg.clip_low,
                                            clip_high=cfg.clip_high, normalizer=total)
                     if ref is not None:
                         with torch.no_grad():
-                            rlp, _, _ = sequence_logps(ref, b)
+                            rlp, _, _ = sequence_logps(ref, b, temperature=cfg.temperature, suppress=suppress)
                         kl = kl_penalty(lp, rlp, mask)
                         loss = loss + cfg.kl_beta * kl * (float(mask.sum()) / max(float(full.sum()), 1.0))
                         st["kl_ref"] = float(kl)
@@ -300,13 +352,23 @@ def train_rl(
                                          f"rollouts (ratio_max {st.get('ratio_max')})")
                     stepper.backward(loss)
                     ent_vals.append(float(masked_mean(ent, mask)))
-                    for k, v in st.items():
-                        stats_acc.setdefault(k, []).append(v)
-                stepper.step()
+                    if on_policy:
+                        gaps.append(float(masked_mean((lp.detach() - olp).abs(), mask)))
+                    else:
+                        for key, v in st.items():
+                            stats_acc.setdefault(key, []).append(v)
+                norms.append(stepper.step())
         if on_update is not None:
             on_update(step)
         t_upd = time.perf_counter() - t2
         mon.update({k: float(np.mean(v)) for k, v in stats_acc.items() if k not in ("n_tokens", "n_seqs", "loss")})
+        for key in ("approx_kl", "clip_frac", "clip_frac_high", "clip_frac_low"):
+            mon.setdefault(key, 0.0)  # one epoch and one mini-batch: no off-policy update to measure
+        mon["approx_kl_max"] = float(max(stats_acc.get("approx_kl", [0.0])))
+        mon["logp_gap"] = float(np.mean(gaps)) if gaps else 0.0
+        mon["lr"] = lr_now
+        mon["grad_norm"] = float(np.mean(norms))
+        mon["grad_norm_max"] = float(max(norms))
         mon["entropy"] = float(np.mean(ent_vals)) if ent_vals else 0.0
         mon.update({"t_rollout": t_roll, "t_old_logp": t_old, "t_update": t_upd, "step": step})
         history.append(mon)
@@ -326,7 +388,7 @@ def train_rl(
                              f"{cfg.collapse_min_tool_rate} for {cfg.collapse_window} steps "
                              "(rl.collapse_min_tool_rate / rl.collapse_window); lower rl.lr")
         done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.optim.max_steps:
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             save_state(ckpt_dir, done, {
                 "fingerprint": fp, "step": done, "model": model.state_dict(), "stepper": stepper.state_dict(),
                 "sampler": sampler.state(), "refill_sampler": refill_sampler.state(), "rng": rng_state(),

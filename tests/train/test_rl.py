@@ -58,7 +58,7 @@ def model_and_proc():
 
 
 def cfg(**kw) -> RLConfig:
-    base = dict(optim=OptimConfig(lr=1e-3, vision_lr=1e-3, warmup_steps=0, schedule="constant", max_steps=4),
+    base = dict(optim=OptimConfig(lr=1e-3, vision_lr=1e-3, warmup_steps=0, schedule="constant"), steps=4,
                 prompts_per_step=2, group_size=4, mini_batches=2, micro_batch_size=3, checkpoint_every=2,
                 collapse_window=1000, seed=5)
     base.update(kw)
@@ -100,8 +100,7 @@ def test_kill_and_resume_reaches_the_same_weights(tmp_path):
 
 def test_updates_are_live_and_monitored(tmp_path):
     before, _ = model_and_proc()
-    model, s = run(tmp_path, cfg(optim=OptimConfig(lr=1e-3, vision_lr=1e-3, warmup_steps=0, schedule="constant",
-                                                   max_steps=2)))
+    model, s = run(tmp_path, cfg(steps=2))
     h = s["history"]
     assert len(h) == 2
     for key in ("reward", "reward_answer", "reward_format", "accuracy", "degenerate_groups", "batch_scale",
@@ -114,10 +113,27 @@ def test_updates_are_live_and_monitored(tmp_path):
     assert any(not torch.equal(p, q) for p, q in zip(before.parameters(), model.parameters()))
 
 
+def test_the_schedule_spans_every_update(tmp_path):
+    # linear from 1e-3 to 1e-4 over steps x mini_batches = 3 x 2 = 6 updates; step k starts at update 2k:
+    # multiplier 1 - 0.9 * 2k / 6 = 1.0, 0.7, 0.4 (a schedule over 3 updates would give 1.0, 0.4, 0.1)
+    c = cfg(steps=3, optim=OptimConfig(lr=1e-3, vision_lr=1e-3, warmup_steps=0, schedule="linear", min_lr_ratio=0.1))
+    _, s = run(tmp_path, c)
+    np.testing.assert_allclose([h["lr"] for h in s["history"]], [1e-3, 7e-4, 4e-4], rtol=1e-6)
+
+
+def test_monitors_measure_the_off_policy_updates(tmp_path):
+    _, s = run(tmp_path, cfg(steps=2))
+    for h in s["history"]:
+        # the KL per update is measured on the second mini-batch only (the first is on-policy: exactly 0)
+        assert h["approx_kl"] > 1e-7 and h["approx_kl_max"] >= h["approx_kl"]
+        assert h["grad_norm"] > 0 and h["grad_norm_max"] >= h["grad_norm"]
+    # full precision: nothing is rounded to 4 decimals
+    assert any(round(h["approx_kl"], 4) != h["approx_kl"] for h in s["history"])
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "gspo", "bn_gspo"])
 def test_each_recipe_steps_with_a_finite_loss(tmp_path, algorithm):
-    _, s = run(tmp_path, cfg(algorithm=algorithm, optim=OptimConfig(lr=1e-3, vision_lr=1e-3, warmup_steps=0,
-                                                                     schedule="constant", max_steps=1)))
+    _, s = run(tmp_path, cfg(algorithm=algorithm, steps=1))
     assert s["estimator"] == {"grpo": "grpo", "gspo": "grpo", "bn_gspo": "bn"}[algorithm]
     assert s["level"] == {"grpo": "token", "gspo": "sequence", "bn_gspo": "sequence"}[algorithm]
     assert np.isfinite(s["history"][0]["entropy"])
@@ -126,13 +142,12 @@ def test_each_recipe_steps_with_a_finite_loss(tmp_path, algorithm):
 def test_inert_ratio_is_announced(tmp_path, caplog):
     before, _ = model_and_proc()
     with caplog.at_level(logging.WARNING, logger="mars.train.rl"):
-        model, s = run(tmp_path, cfg(mini_batches=1, optim=OptimConfig(lr=1e-3, vision_lr=1e-3, warmup_steps=0,
-                                                                      schedule="constant", max_steps=1)))
+        model, s = run(tmp_path, cfg(mini_batches=1, steps=1))
     assert "clipping is inert" in caplog.text
     # no separate old-log-prob pass: the old log-probs are the update's own, detached, so the ratio is exactly 1
     # (a second forward pass would differ by float noise) and the policy still moves
     h = s["history"][0]
-    assert h["ratio_mean"] == 1.0 and h["approx_kl"] == 0.0 and h["clip_frac"] == 0.0
+    assert "ratio_mean" not in h and h["approx_kl"] == 0.0 and h["clip_frac"] == 0.0
     assert any(not torch.equal(p, q) for p, q in zip(before.parameters(), model.parameters()))
 
 
@@ -145,11 +160,9 @@ def test_collapse_stops_with_a_clear_message(tmp_path):
 def test_dynamic_sampling_refills_degenerate_groups(tmp_path):
     # q0/q1 are hopeless (every rollout wrong: a degenerate group); dynamic sampling replaces their groups
     back = CoinBackend(hopeless=("q0", "q1"))
-    _, plain = run(tmp_path / "p", cfg(optim=OptimConfig(lr=1e-3, vision_lr=1e-3, warmup_steps=0,
-                                                         schedule="constant", max_steps=3)), backend=back)
+    _, plain = run(tmp_path / "p", cfg(steps=3), backend=back)
     _, dyn = run(tmp_path / "d", cfg(dynamic_sampling=True, max_refills=3,
-                                     optim=OptimConfig(lr=1e-3, vision_lr=1e-3, warmup_steps=0, schedule="constant",
-                                                       max_steps=3)), backend=back)
+                                     steps=3), backend=back)
     assert sum(h["degenerate_groups"] for h in dyn["history"]) < sum(h["degenerate_groups"] for h in plain["history"])
     assert any(h["refill_rounds"] > 0 for h in dyn["history"])
 

@@ -157,8 +157,11 @@ def sequence_logps(model, batch, *, temperature: float = 1.0, suppress: Sequence
 
 def sampled_example(traj: Trajectory, processor) -> Rendered:
     """The trainer's example of one episode: its dialogue rendered from the ids the policy sampled (assistant
-    messages carry them, :mod:`mars.agent.engine`), so the loss is on exactly those ids and nothing else."""
-    r = render(traj.messages, processor)
+    messages carry them, :mod:`mars.agent.engine`), so the loss is on exactly those ids and nothing else. What
+    follows the last assistant turn (the observation of an episode that ended there) carries no loss and conditions
+    nothing: it is left out."""
+    last = max((i for i, m in enumerate(traj.messages) if m["role"] == "assistant"), default=len(traj.messages) - 1)
+    r = render(traj.messages[: last + 1], processor)
     if traj.token_ids is not None:
         trained = r.input_ids[r.loss_mask.bool()].tolist()
         if trained != list(traj.token_ids):

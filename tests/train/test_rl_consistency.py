@@ -88,6 +88,18 @@ def test_openai_backend_on_mars_serve_returns_the_sampled_ids_and_logprobs():
     check(model, proc, trajs)
 
 
+def test_the_observation_after_the_last_turn_is_not_in_the_example():
+    model, proc = policy()
+    trajs = rollouts(HFBackend(model, proc), max_turns=1)  # malformed turns: an error observation follows
+    t = next(t for t in trajs if t.messages[-1]["role"] == "user")
+    ex = sampled_example(t, proc)
+    im_end = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    nl = proc.tokenizer.encode("\n", add_special_tokens=False)
+    # the example ends with the assistant turn (its closing <|im_end|> and newline), not with the observation
+    assert ex.input_ids[-1 - len(nl)].item() == im_end and ex.input_ids[-len(nl):].tolist() == nl
+    assert len(ex.input_ids) < len(render(t.messages, proc).input_ids)
+
+
 def test_sampled_example_refuses_a_turn_without_its_ids():
     model, proc = policy()
     trajs = rollouts(HFBackend(model, proc), max_turns=1)

@@ -375,8 +375,8 @@ def train_rl(
         mon["entropy"] = float(np.mean(ent_vals)) if ent_vals else 0.0
         mon.update({"t_rollout": t_roll, "t_old_logp": t_old, "t_update": t_upd, "step": step})
         history.append(mon)
-        for t in trajs[: cfg.samples_per_step]:
-            samples.append({**t.row(), "step": step})
+        for t in trajs[: cfg.samples_per_step]:  # a question comes back in later steps: the step names the episode
+            samples.append({**t.row(), "episode_id": f"{t.episode_id}@{step}", "step": step})
         bar.set_postfix(reward=f"{mon['reward']:.2f}", acc=f"{mon['accuracy']:.2f}")
         if live is not None:
             for k, v in mon.items():

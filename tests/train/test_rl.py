@@ -121,6 +121,17 @@ def test_the_schedule_spans_every_update(tmp_path):
     np.testing.assert_allclose([h["lr"] for h in s["history"]], [1e-3, 7e-4, 4e-4], rtol=1e-6)
 
 
+def test_kept_rollouts_have_unique_episode_ids_when_questions_come_back(tmp_path):
+    from mars.agent.engine import EngineConfig
+
+    model, proc = model_and_proc()
+    s = train_rl(model, proc, QUESTIONS[:2], toolbox=None, engine=EngineConfig(max_turns=2, prompt="compact"),
+                 cfg=cfg(steps=2), ckpt_dir=tmp_path / "ckpt", live_dir=None, fp="test", image_root=None,
+                 backend_factory=lambda m: CoinBackend())
+    ids = [r["episode_id"] for r in s["samples"]]
+    assert len(ids) == 4 and len(set(ids)) == 4  # both steps play the same two questions
+
+
 def test_monitors_measure_the_off_policy_updates(tmp_path):
     _, s = run(tmp_path, cfg(steps=2))
     for h in s["history"]:

@@ -16,7 +16,8 @@ What it measures
        and reward of every episode, inside ``run_episodes``) is timed by wrapping ``mars.agent.engine._score`` and
        taken out of the rollout column. TRL: ``_generate`` (rollout), ``_calculate_rewards`` (scoring),
        ``_get_per_token_logps_and_entropies`` under ``no_grad`` (old log-probs; TRL skips them when generation and
-       update are aligned, as here, and uses the detached current log-probs instead; ours always recomputes them),
+       update are aligned, as here, and uses the detached current log-probs instead; ours takes the rollout's own
+       log-probs, reported at the sampling temperature, and recomputes nothing),
        and update = the rest of the optimizer step (the training forward/backward, optimizer, logging).
        Step = ours: the sum of its three phases; TRL: wall time from ``on_step_begin`` to ``on_step_end``.
        Ours runs with ``HFBackend``'s per-dialogue KV cache on (its own decode loop, the default) and off

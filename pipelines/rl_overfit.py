@@ -2,8 +2,9 @@
 
 What it does
     Takes ``--questions`` (4) questions of the rl split in file order (after ``--skip`` of them), writes them as
-    the only rl questions of a copy of ``questions.parquet``, and runs the ``rl`` stage's ``run()`` with the params of params.yaml (``--set rl.KEY=VALUE`` overrides any of them) and
-    ``prompts_per_step`` = the number of questions, for ``--steps`` (16) steps, into ``--out``. On prompts it sees
+    the only rl questions of a copy of ``questions.parquet``, and runs the ``rl`` stage's ``run()`` with the
+    params of params.yaml (``--set rl.KEY=VALUE`` overrides any of them) and ``prompts_per_step`` = the number of
+    questions, for ``--steps`` (16) steps, into ``--out``. On prompts it sees
     every step a working RL update overfits: the check passes when the mean reward of the last 4 steps is at least
     ``--margin`` (0.2) above the first 4. It prints the reward curve with the per-update KL, clip fraction and
     gradient norm, and exits 1 when the check fails.

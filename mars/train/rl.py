@@ -21,8 +21,9 @@ What it does
        learning-rate schedule spans all ``steps x ppo_epochs x mini_batches`` optimizer updates.
     5. monitors every step (dvclive): reward and its components, accuracy, degenerate-group fraction, batch scale
        1/std, entropy, response length, turns, tool-call rate per tool, tool error rate, format-error rate,
-       learning rate, gradient norm (mean and max over the step's updates), and from the off-policy mini-batches (all but the
-       step's first) the approximate KL per update (mean and max), clip fractions and ratios; ``logp_gap`` is the
+       learning rate, gradient norm (mean and max over the step's updates), and from the off-policy
+       mini-batches (all but the step's first) the approximate KL per update (mean and max), clip fractions and
+       ratios; ``logp_gap`` is the
        mean |trainer - rollout| log-prob on the first, on-policy mini-batch (about 1e-6 in process; larger means
        the rollout server scores other tokens or another temperature). A NaN or a collapse (tool calls per
        episode below ``collapse_min_tool_rate`` for ``collapse_window`` consecutive steps) stops the run with a
@@ -83,7 +84,7 @@ class RLCollapse(RuntimeError):
 @dataclass(frozen=True)
 class RLConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, vision_lr=2e-4, warmup_steps=0,
-                                                                  schedule="constant", max_steps=40))
+                                                                  schedule="constant"))  # max_steps: from ``updates``
     steps: int = 40  # RL steps (rollouts + updates); the schedule spans ``updates`` optimizer steps
     algorithm: str = "bn_gspo"
     estimator: str = ""  # "" = the recipe's

@@ -129,9 +129,10 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.eval.report import write_report
     from mars.eval.run import (ResultStore, answer_form, evaluate_model, first_zoom_framed, perception_by_attribute,
                                plot_rows, search_chain, summarize)
-    from mars.train.checkpoint import fingerprint, source_digest
+    from mars.train.checkpoint import fingerprint
+    from stages import code_digest
 
-    code = source_digest()  # a code change (judge, engine, tools) re-scores instead of reusing the stored episodes
+    code = code_digest()  # a code change (judge, engine, tools) re-scores instead of reusing the stored episodes
     specs = [{"format": "synth", "name": "test", "path": str(inputs["questions"]),
               "image_root": str(inputs["image_root"]), "split": "test"}] + [dict(b) for b in params.benchmarks]
     benches = [(s, load_benchmark(s).to_pylist()) for s in specs]

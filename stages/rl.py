@@ -126,8 +126,9 @@ def remote_backend_factory(params: Params, processor, save_dir: Path):
 
 def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     from mars.model.build import load_checkpoint, save_checkpoint
-    from mars.train.checkpoint import fingerprint, source_digest
+    from mars.train.checkpoint import fingerprint
     from mars.train.rl import train_rl
+    from stages import code_digest
 
     questions = [q for q in read_table(inputs["questions"], QUESTIONS).to_pylist() if q["split"] == "rl"]
     if len(questions) < params.prompts_per_step:
@@ -139,7 +140,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     toolbox = agent.toolbox(inputs["index_dir"], inputs["world_dir"] / "gallery")
     weights_hash = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(sft_dir.glob("*.safetensors")))).hexdigest()
     # the code is in the fingerprint too: a change of reward, loss or rollout code never resumes the old run
-    fp = fingerprint(params, agent, weights_hash[:16], [q["question_id"] for q in questions], source_digest())
+    fp = fingerprint(params, agent, weights_hash[:16], [q["question_id"] for q in questions], code_digest())
     factory = None
     if params.rollout_base_url:
         factory = remote_backend_factory(params, proc, Path(outputs["checkpoints"]) / "served")

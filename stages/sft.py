@@ -644,7 +644,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     from mars.model.build import count_params, save_checkpoint
     from mars.tools.base import TOOL_SCHEMAS
     from mars.model.tokenizer import tokenizer_digest
-    from mars.train.checkpoint import source_digest
+    from stages import code_digest
     from mars.train.data import dialogues_digest, render_examples
     from mars.train.sft import train_sft
 
@@ -676,7 +676,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
             # never resumes old weights, nor does a change of the world or index inputs, which the questions file's
             # hash does not cover; a change of a later phase's knobs keeps the phases before it
             common = (asdict(agent), asdict(scene) if scene is not None else None, _file_hash(inputs["questions"]),
-                      tokenizer_digest(tok), source_digest())
+                      tokenizer_digest(tok), code_digest())
             stack.update(model=model, tok=tok, proc=proc, examples=examples, common=common,
                          d_train=dialogues_digest(dialogues))
             if params.vision_pretrain_steps:  # phase 0's reading trains on no drawn data: its key is the first

@@ -6,7 +6,7 @@ What it does
     ``keep`` of its own; :func:`latest_state` loads the newest one whose ``fingerprint`` (a hash of the
     run's params and inputs) matches, so a changed run starts fresh instead of resuming someone else's state;
     :func:`load_model_weights` puts a state's model weights into a loaded checkpoint (the bench probes).
-    :func:`source_digest` hashes the project's code (the ``mars`` and ``stages`` packages): the stages put it in
+    :func:`source_digest` hashes code under given roots (the stages pass ``mars`` and ``stages``): they put it in
     their fingerprints, so a code change (a reward, a loss, a judge) never resumes state made by the old code.
     :func:`rng_state` / :func:`set_rng_state` capture Python's, NumPy's and torch's generators.
     :func:`truncate_live` drops dvclive rows logged after the resumed step, so a curve from a killed and resumed
@@ -44,14 +44,9 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def source_digest(roots: Sequence[str | Path] | None = None) -> str:
-    """A short hash of every ``*.py`` file under ``roots`` (default: the ``mars`` and ``stages`` packages), by path
-    relative to its root and content. About 150 files, a few milliseconds."""
-    if roots is None:
-        import mars
-        import stages
-
-        roots = [Path(mars.__file__).parent, Path(stages.__file__).parent]
+def source_digest(roots: Sequence[str | Path]) -> str:
+    """A short hash of every ``*.py`` file under ``roots`` (the stages pass the ``mars`` and ``stages`` packages:
+    :func:`stages.code_digest`), by path relative to its root and content. About 150 files, a few milliseconds."""
     h = hashlib.sha256()
     for k, root in enumerate(Path(r) for r in roots):
         for f in sorted(root.rglob("*.py")):

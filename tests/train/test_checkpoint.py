@@ -36,8 +36,12 @@ def test_source_digest_sees_every_code_change_and_nothing_else(tmp_path: Path) -
     moved = source_digest([a, b])
     (b / "x.py").rename(a / "x.py")
     assert source_digest([a, b]) != moved
-    # default roots: this project's mars and stages packages
-    assert source_digest() == source_digest()
+    # the stages' digest covers this project's mars and stages packages, and nothing else
+    import mars
+    import stages
+
+    roots = [Path(mars.__file__).parent, Path(stages.__file__).parent]
+    assert stages.code_digest() == source_digest(roots) != source_digest(roots[:1])
 
 
 def _steps(d: Path) -> list[str]:

@@ -87,6 +87,9 @@ def params_check(params_path: str, repo: str) -> int:
     for name in names:
         module = importlib.import_module(f"stages.{name}")
         load_params(name, module.Params, params_path)
+    from mars.agent.config import AgentParams
+
+    load_params("agent", AgentParams, params_path)  # the section the episode-playing stages share
     load_pipeline_params(repo)
     print(f"{params_path}: ok (profile {base.profile}; stages {', '.join(names) or 'none'})")
     return 0

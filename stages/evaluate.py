@@ -58,7 +58,7 @@ PIPELINE = {"base": ("sft", "base"), "sft": ("sft", "model"), "rl": ("rl", "mode
 
 @dataclass(frozen=True)
 class Params:
-    runs: tuple[str, ...] = ("no-tool/direct", "base/agentic", "sft/agentic", "oracle/agentic")
+    runs: tuple[str, ...] = ("no-tool/direct", "base/agentic", "sft/agentic", "rl/agentic", "oracle/agentic")
     benchmarks: tuple[dict[str, Any], ...] = ()
     checkpoints: dict[str, str] = field(default_factory=dict)  # name -> local checkpoint directory
     endpoints: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {base_url, model, api_key_env}

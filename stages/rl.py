@@ -49,12 +49,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Params:
     algorithm: str = "bn_gspo"  # bn_gspo | gspo | grpo
-    estimator: str = ""  # override the recipe: grpo | bn | none
-    level: str = ""  # override the recipe: token | sequence
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_beta: float = 0.0
-    steps: int = 20
+    steps: int = 8
     prompts_per_step: int = 4
     group_size: int = 8
     temperature: float = 0.7

@@ -1,80 +1,30 @@
 """The ``sft`` stage: teacher trajectories through the real tools, then the cold-start SFT of a Qwen-VL model.
 
-What it does
-    1. Teacher trajectories: the scripted teacher (:mod:`mars.agent.teacher`, skill knob ``teacher_skill``) plays
-       the sft split's questions through the shared rollout engine and the real tools (config: the ``agent``
-       params section), or ``teacher: openai`` uses any OpenAI-compatible endpoint. Only episodes the judge marks
-       correct and well formed are kept (rejection sampling), at most ``n_trajectories`` of them (the paper's cold
-       start is small: few trajectories, so RL has headroom). Written to ``trajectories.parquet``.
-    2. The model: ``init_checkpoint`` (a local Qwen2.5-VL or Qwen3-VL directory, e.g. Qwen2.5-VL-7B) or, by
-       default, a tiny random-init Qwen2.5-VL (``arch: qwen3_vl``: Qwen3-VL, which needs ``agent.factor: 32``)
-       built from the ``text_*`` / ``vision_*`` params, with a tokenizer trained on the
-       world's text, the teacher's dialogues and the protocol (``tokenizer: local``, :func:`tokenizer_texts`;
-       ``split_digits``: one token per digit) or the real Qwen2/2.5 vocabulary (``qwen``). The
-       untrained model is saved as ``base/`` (the evaluate stage's "untrained" row).
-    3. Vision pre-training, phase 0 (``vision_pretrain_steps`` > 0; :mod:`mars.train.vision`): the vision tower
-       and projector alone learn to read the emblem in ``vision_pretrain_images`` zoom crops (fill colour, shape,
-       letter, pattern; a throw-away attention read-out and linear heads, rate ``vision_pretrain_lr``), the stand-in
-       for a base model's vision pre-training; checkpoints in ``--checkpoints``/vision; its held-out read-out
-       accuracy goes to the metrics. It needs the trajectories (the tokenizer is fitted to them) and no drills, so it
-       trains while the drills are drawn (:func:`play_and_draw`'s ``meanwhile``; ``beside_drawing_s`` in the
-       metrics), on the cores the drawing leaves. Its localisation half (``vision_locate_steps`` > 0, the default;
-       :func:`vision_locate`): the tower and projector alone learn which grid cell of the localisation drills'
-       scenes is framed (a cell read-out, rate ``vision_lr``; checkpoints in ``--checkpoints``/vision_locate;
-       held-out cell accuracy in the metrics), so the block below only has to route what the tower already sees into
-       the zoom call (the block alone missed that phase change in some runs; README). Then the pre-training phase
-       (``pretrain_steps`` > 0; the embedded default):
-       ``pretrain_steps`` steps (language-model rate ``pretrain_lr``, or ``lr`` when 0) on gallery captions
-       (:mod:`mars.synth.captions`: an emblem's fill colour, shape, letter or pattern) and text-only reading drills
-       over real tool outputs (:mod:`mars.synth.drills`: copy a fact from a snippet, copy the top image-search title
-       into a query), about entities of no test question, optional pure copy drills (``pretrain_copy``),
-       localisation drills (:mod:`mars.synth.locate`: the first zoom on freshly drawn scenes with the world's grid
-       and frame; ``pretrain_locate``; with ``locate_answers`` > 0 that share of the perception ones go on to the
-       crop and the answer) and zoom captions (:func:`mars.synth.captions.zoom_captions`: read a new
-       emblem at a zoom's scale); the emblems these and phase 0 draw anew take any palette colours, or with
-       ``emblem_colours: world`` the world's own colour schemes (:func:`world_colours`). These stand in for the base
-       model's pre-training (a random-init tiny model cannot read emblems or copy names from its context, and the
-       multimodal trajectories are too costly per step to teach it); checkpoints in ``--checkpoints``/pretrain.
-       With ``locate_steps`` > 0 the vision drills (localisation drills and zoom captions, :func:`vision_drills`)
-       are not mixed into phase 1 but get a block of their own
-       after it: ``locate_steps`` steps on them and a seeded ``locate_mix`` share of phase 1's examples (rates
-       ``lr`` and ``vision_lr``; checkpoints in ``--checkpoints``/locate), dedicated practice a random-init vision
-       tower needs (README: localisation); without phase 1's examples the block erased the copying phase 1 taught
-       (README). With ``locate_target`` > 0 the block stops early once the model's greedy first zoom frames that
-       share of ``locate_check_scenes`` held-out scenes (asked at every checkpoint from step ``locate_check_from``
-       on: :func:`locate_check`; the metrics' ``locate_check_framed`` is the share of the block's last weights), so
-       ``locate_steps`` is a ceiling: a fixed 200-step block framed 80 of 80 test scenes in one run and 19 in
-       another (README, session 17). With ``locate_read_target`` > 0 the check also needs the read: the greedy
-       answer after the teacher's right zoom is the teacher's on that share of as many held-out answered drills
-       (``locate_check_read``): the colour profile's second link (README, session 29). With
-       ``locate_frame_steps`` > 0 the block runs in two stages (:func:`frame_stage_dialogues`; checkpoints in
-       ``--checkpoints``/locate_frame, then /locate): first the localisation drills with only the first
-       ``locate_frame_captions`` zoom captions, at most ``locate_frame_steps`` steps or until the frame check holds
-       (no read), then all of them for ``locate_steps`` with the read (README, session 30: a large caption dose kept
-       the frame from forming on seed 1, a small one did not teach the read). Phase 1 likewise, with
-       ``pretrain_target`` > 0: it stops once its greedy replies copy that share of ``pretrain_check_drills``
-       held-out reading drills right (another seed, so new stand-in names; asked at the checkpoints from step
-       ``pretrain_check_from`` on: :func:`copy_check`; the metrics' ``pretrain_check_copied`` is the share of phase
-       1's last weights, scored with or without a target), so ``pretrain_steps`` is a ceiling.
-       Measured (README, session 21): the held-out share plateaus near 70% on seeds 0 and 2 once the loss is low,
-       and neither the check (seed 0 stopped at step 1,950) nor a longer phase 1 (seed 2, 3,000 steps) raised the
-       SFT score, so the default has no target. Phase 1's and the block's dialogues (and the check's drills) are
-       drawn in a worker process while the teacher of step 1 plays (:func:`play_and_draw`; ``drills_wait_s`` in
-       the metrics: how long the drawing outlasted it).
-    4. Training on the teacher trajectories (with ``trajectory_names: new`` or ``world`` their organisation and
-       founder names replaced by stand-ins, a fresh set per trajectory, as in the drills:
-       :func:`trajectory_dialogues`; measured in the README, off by default), with a seeded ``mix_pretrain`` share
-       of phase 1's (and the block's) examples mixed in
-       (without them the agentic phase overwrote the copy skill phase 1 taught; README)
-       (:func:`mars.train.sft.train_sft`): assistant-token loss, per-module learning rates, warm-up and
-       schedule, clipping, accumulation, optional DeepSpeed ZeRO-2/3, checkpoints every ``checkpoint_every``
-       steps into ``--checkpoints`` (kept by DVC across runs: a killed ``dvc repro`` resumes each phase from its
-       newest checkpoint when its key holds, :func:`phase_keys`: the params, input files, code, tokenizer and the
-       data (:func:`mars.train.data.dialogues_digest`) of that phase and every one before it; a complete phase is
-       restored from its last checkpoint, so a change of a later phase's knobs (:data:`PHASE_KNOBS`, e.g.
-       ``locate_steps`` or ``max_steps``) reruns only that phase and the ones after it), curves with dvclive in
-       ``--live``. The final model is saved as ``model/``, a self-contained HF checkpoint directory
-       (weights, config, tokenizer, processor, chat template).
+What it does (the phases, their knobs and checks: docs/training.md, SFT)
+    1. Teacher trajectories: the scripted teacher (:mod:`mars.agent.teacher`, ``teacher_skill``) or an
+       OpenAI-compatible endpoint (``teacher: openai``) plays the sft split through the shared rollout engine and
+       the real tools (the ``agent`` params section); only episodes judged correct and well formed are kept, at most
+       ``n_trajectories`` (the paper's cold start is small, so RL has headroom): ``trajectories.parquet``.
+    2. The model: ``init_checkpoint`` (a local Qwen2.5-VL or Qwen3-VL directory) or a tiny random-init Qwen2.5-VL
+       (``arch: qwen3_vl``: Qwen3-VL, with ``agent.factor: 32``) with a tokenizer fitted to the world's text, the
+       teacher's dialogues and the protocol (:func:`tokenizer_texts`; ``tokenizer: qwen``: the real vocabulary).
+       The untrained model is saved as ``base/`` (the evaluate stage's untrained row).
+    3. The stand-in for a base model's pre-training (steps 0 for a pretrained ``init_checkpoint``): phase 0, the
+       vision tower alone (:mod:`mars.train.vision`: reading zoom crops, ``vision_pretrain_steps``; the framed grid
+       cell, ``vision_locate_steps``); phase 1, text-only reading drills over real tool outputs with fresh
+       stand-in names (:mod:`mars.synth.drills`, ``pretrain_steps``; its held-out copy share is scored after it);
+       the localisation block (:mod:`mars.synth.locate`, :func:`mars.synth.captions.zoom_captions`: the first zoom
+       on freshly drawn scenes and the read after it, in two stages that stop on a held-out check,
+       ``locate_frame_steps`` then ``locate_steps``). Phase 1's and the block's data are drawn in a worker process
+       while the teacher plays (:func:`play_and_draw`).
+    4. Phase 2: the teacher trajectories with a ``mix_pretrain`` share of phase 1's and the block's examples
+       (:func:`mars.train.sft.train_sft`): assistant-token loss, per-module learning rates, warm-up and schedule,
+       clipping, accumulation, optional DeepSpeed ZeRO-2/3. The final model is saved as ``model/``, a
+       self-contained HF checkpoint directory (weights, config, tokenizer, processor, chat template).
+
+Every phase checkpoints into ``--checkpoints`` under a key chained from the phases before it (:func:`phase_keys`:
+params, inputs, code, tokenizer and data), so a killed ``dvc repro`` resumes each phase where it stopped, and a
+change of a later phase's knobs (:data:`PHASE_KNOBS`) reruns only that phase and the ones after it.
 
 Deviations: the paper's teacher is a strong VLM with about 3k cold-start trajectories; the default's teacher is
 scripted over the generated world (imperfect on purpose) and SFT sees a few hundred trajectories. The paper starts
@@ -104,7 +54,6 @@ from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import ENTITIES, QUESTIONS
 from mars.model.tokenizer import PRETOKENIZERS
-from mars.synth.drills import RENAME_SOURCES
 from mars.stage import load_section, stage_args, write_metrics
 from mars.world.questions import asked_attributes
 from mars.world.scenes import SceneConfig
@@ -116,11 +65,10 @@ TEACHER_CHUNK = 64  # teacher episodes played at once (bounds the memory of full
 # phase's key, :func:`phase_keys`): a change of these keeps the phases before their owner.
 PHASES = ("vision", "vision_locate", "pretrain", "locate_frame", "locate", "train")
 PHASE_KNOBS = {
-    "pretrain": ("pretrain_steps", "pretrain_batch_size", "pretrain_lr", "pretrain_group_batches", "pretrain_target",
-                 "pretrain_check_drills", "pretrain_check_from"),
+    "pretrain": ("pretrain_steps", "pretrain_check_drills"),
     # the block's shared knobs are its frame stage's (they enter the block's key after it, also with no frame stage)
-    "locate_frame": ("locate_frame_steps", "locate_frame_captions", "locate_batch_size", "locate_target",
-                     "locate_check_scenes", "locate_mix", "locate_check_from"),
+    "locate_frame": ("locate_frame_steps", "locate_frame_captions", "locate_target", "locate_check_scenes",
+                     "locate_mix", "locate_check_from"),
     "locate": ("locate_steps", "locate_read_target"),
     "train": ("max_steps", "group_batches", "mix_pretrain"),
 }
@@ -129,70 +77,54 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Params:
+    """The ``sft`` section of params.yaml (its one-line comments say what each knob does; docs/training.md, SFT)."""
+
     teacher: str = "scripted"  # scripted | openai
     teacher_skill: float = 0.8
     teacher_base_url: str = ""
     teacher_model: str = ""
-    n_trajectories: int = 450
-    pretrain_steps: int = 0  # phase 1: steps on gallery captions + reading drills (0 = no pre-training phase)
-    pretrain_captions: int = 0  # gallery-caption dialogues (mars.synth.captions)
-    pretrain_drills: int = 0  # text-only reading drills over real tool outputs (mars.synth.drills)
-    pretrain_copy: int = 0  # pure copy drills: repeat a list of fresh names (mars.synth.drills.copy_drills)
-    drill_names: str = "new"  # the drills' stand-in names: new (generated words) | world (the world's own words)
-    drill_chains: float = 0.0  # share of the title drills that go on to the text search and the answer
-    trajectory_names: str = "real"  # phase 2's names: real | new | world (mars.synth.drills.rename_dialogues)
-    pretrain_locate: int = 0  # localisation drills: zoom on the red frame of a freshly drawn scene (mars.synth.locate)
-    pretrain_zoom_captions: int = 0  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
-    locate_answers: float = 0.0  # share of the perception localisation drills that go on to the crop and answer
-    emblem_colours: str = "palette"  # the colours of the emblems drawn anew (phase 0's crops, the localisation
-    #                                  drills, zoom captions, the block's checks): palette (any) | world (its schemes)
-    locate_steps: int = 0  # > 0: the pretrain_locate drills get a block of their own, these steps after phase 1
-    locate_target: float = 0.0  # > 0: the block stops once its first zoom frames this share of held-out scenes
-    locate_check_scenes: int = 40  # the held-out scenes of that check (asked at every checkpoint)
-    locate_read_target: float = 0.0  # > 0: the check also needs the answer after the teacher's right zoom on this
-    #                                  share of as many held-out answered drills (the read, once the frame holds)
-    locate_check_from: int = 0  # the block's check is asked at the checkpoints from this step on (in each stage)
-    locate_frame_steps: int = 0  # > 0: the block in two stages: first the drills with locate_frame_captions of the
-    #                              zoom captions, at most these steps or until the frame check holds (locate_target),
-    #                              then the drills with all of them and the read check (README, session 30)
-    locate_frame_captions: int = 0  # the frame stage's zoom captions (the first of the pretrain_zoom_captions)
-    pretrain_target: float = 0.0  # > 0: phase 1 stops once its greedy replies copy this share of held-out drills
-    #                               (0: they are only scored after phase 1: pretrain_check_copied in the metrics)
-    pretrain_check_drills: int = 60  # the held-out reading drills of that check (another seed: fresh names)
-    pretrain_check_from: int = 0  # the check is asked at the checkpoints from this phase-1 step on
-    mix_pretrain: float = 0.0  # share of phase 2's examples drawn from phase 1's data (so its skills are kept)
-    locate_mix: float = 0.0  # share of the localisation block's examples drawn from phase 1's data (likewise)
-    vision_pretrain_steps: int = 0  # phase 0: the vision tower learns to read zoomed emblems (mars.train.vision)
-    vision_pretrain_images: int = 4000  # its labelled zoom crops (a new emblem each)
+    n_trajectories: int = 600
+    vision_pretrain_steps: int = 400  # phase 0: the vision tower learns to read zoomed emblems (mars.train.vision)
+    vision_pretrain_images: int = 2000
     vision_pretrain_lr: float = 5e-4
-    vision_locate_steps: int = 0  # phase 0: the vision tower learns the framed cell of the localisation drills
-    vision_test_images: int = 300  # held-out crops / scenes phase 0's read-outs are scored on (dvc metrics)
+    vision_locate_steps: int = 150  # phase 0: the vision tower learns the framed cell of the localisation drills
+    vision_test_images: int = 300
+    pretrain_steps: int = 2000  # phase 1: steps on the reading drills (0 = no phase 1)
+    pretrain_drills: int = 4000  # text-only reading drills over real tool outputs (mars.synth.drills)
+    pretrain_check_drills: int = 60  # held-out drills scored after phase 1 (pretrain_check_copied)
+    pretrain_locate: int = 2000  # localisation drills (mars.synth.locate)
+    locate_answers: float = 1.0  # share of the perception localisation drills that go on to the crop and answer
+    pretrain_zoom_captions: int = 4000  # read a new emblem at a zoom's scale (mars.synth.captions.zoom_captions)
+    emblem_colours: str = "world"  # the emblems drawn anew: world (its colour schemes) | palette (any)
+    locate_mix: float = 0.25  # share of the block's examples drawn from phase 1's
+    locate_frame_steps: int = 500  # > 0: the block's first stage (the drills with locate_frame_captions captions)
+    locate_frame_captions: int = 1000
+    locate_steps: int = 500  # > 0: the localisation block after phase 1 (its second stage with a frame stage)
+    locate_target: float = 0.9  # > 0: a block stage stops once its first zoom frames this share of held-out scenes
+    locate_read_target: float = 0.8  # > 0: the second stage's check also needs the read after the right zoom
+    locate_check_scenes: int = 40
+    locate_check_from: int = 200
+    max_steps: int = 250  # phase 2
+    mix_pretrain: float = 0.25  # share of phase 2's examples drawn from phase 1's and the block's
+    group_batches: int = 8  # phase 2's length-grouped batches: runs of this many batches sorted by length (1 = off)
     tokenizer: str = "local"  # local | qwen
-    pretokenizer: str = "trailing"  # local tokenizer: trailing (a word keeps the space after it) | words (spaces
-    #                                 are tokens of their own) | bytelevel (GPT-2 style); mars.model.tokenizer
-    split_digits: bool = False  # local tokenizer: one token per digit (as Qwen's); measured worse for years (README)
+    pretokenizer: str = "trailing"  # local tokenizer: trailing | bytelevel (mars.model.tokenizer)
     vocab_size: int = 1024
     init_checkpoint: str = ""  # a local HF checkpoint directory instead of the tiny random-init model
     arch: str = "qwen2_5_vl"  # the tiny model's architecture: qwen2_5_vl | qwen3_vl (mars.model.build)
     text_hidden: int = 128
-    text_layers: int = 3
-    heads: int = 4
-    kv_heads: int = 2
+    text_layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
     vision_hidden: int = 96
     vision_layers: int = 2
     vision_window: int = 224  # window attention span in pixels (>= the policy's view: one window per image)
     rope_theta: float = 10000.0
     batch_size: int = 16
-    pretrain_batch_size: int = 0  # phase 1's batch (0 = batch_size)
-    locate_batch_size: int = 0  # the localisation block's (0 = batch_size)
     grad_accum: int = 1
-    group_batches: int = 1  # phase 2's length-grouped batches: runs of this many batches sorted by length (1 = off)
-    pretrain_group_batches: int = 1  # phase 1's (1 = plain shuffled batches)
-    length_split: int = 1  # every phase's batches run as this many sub-batches of similar length (the same gradient)
-    compile: bool = False  # every phase's text decoder layers through torch.compile (the same maths to rounding)
-    max_steps: int = 350
+    length_split: int = 2  # every phase's batches run as this many sub-batches of similar length (the same gradient)
+    compile: bool = True  # every phase's text decoder layers through torch.compile (the same maths to rounding)
     lr: float = 2e-3
-    pretrain_lr: float = 0.0  # phase 1's language-model rate (0 = lr; the vision rate stays vision_lr)
     vision_lr: float = 2e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
@@ -215,17 +147,11 @@ class Params:
             raise ValueError(f"sft.pretokenizer must be one of {PRETOKENIZERS}, got {self.pretokenizer!r}")
         if self.tokenizer not in ("local", "qwen"):
             raise ValueError(f"sft.tokenizer must be 'local' or 'qwen', got {self.tokenizer!r}")
-        if self.drill_names not in RENAME_SOURCES:
-            raise ValueError(f"sft.drill_names must be one of {RENAME_SOURCES}, got {self.drill_names!r}")
-        if self.trajectory_names not in ("real", *RENAME_SOURCES):
-            raise ValueError(f"sft.trajectory_names must be one of {('real', *RENAME_SOURCES)}, got "
-                             f"{self.trajectory_names!r}")
         if self.arch not in ("qwen2_5_vl", "qwen3_vl"):
             raise ValueError(f"sft.arch must be 'qwen2_5_vl' or 'qwen3_vl', got {self.arch!r}")
         if self.n_trajectories < 1:
             raise ValueError(f"sft.n_trajectories must be >= 1, got {self.n_trajectories}")
-        counts = {k: getattr(self, k) for k in ("pretrain_captions", "pretrain_drills", "pretrain_copy",
-                                                 "pretrain_locate", "pretrain_zoom_captions")}
+        counts = {k: getattr(self, k) for k in ("pretrain_drills", "pretrain_locate", "pretrain_zoom_captions")}
         for k, v in {"pretrain_steps": self.pretrain_steps, "locate_steps": self.locate_steps,
                      "vision_pretrain_steps": self.vision_pretrain_steps,
                      "vision_locate_steps": self.vision_locate_steps, **counts}.items():
@@ -251,8 +177,6 @@ class Params:
             if self.vision_pretrain_images < self.batch_size:
                 raise ValueError(f"sft.vision_pretrain_images must be >= sft.batch_size ({self.batch_size}), got "
                                  f"{self.vision_pretrain_images}")
-        if not 0.0 <= self.drill_chains <= 1.0:
-            raise ValueError(f"sft.drill_chains must be in [0, 1], got {self.drill_chains}")
         if self.emblem_colours not in EMBLEM_COLOURS:
             raise ValueError(f"sft.emblem_colours must be one of {EMBLEM_COLOURS}, got {self.emblem_colours!r}")
         if not 0.0 <= self.locate_answers <= 1.0:
@@ -260,8 +184,6 @@ class Params:
         for k in ("mix_pretrain", "locate_mix"):
             if not 0.0 <= getattr(self, k) < 1.0:
                 raise ValueError(f"sft.{k} must be in [0, 1), got {getattr(self, k)}")
-        if self.pretrain_lr < 0:
-            raise ValueError(f"sft.pretrain_lr must be >= 0 (0 = sft.lr), got {self.pretrain_lr}")
         if not 0.0 <= self.locate_target <= 1.0:
             raise ValueError(f"sft.locate_target must be in [0, 1] (0 = run all sft.locate_steps), got "
                              f"{self.locate_target}")
@@ -288,15 +210,8 @@ class Params:
         if self.locate_frame_captions and not self.locate_frame_steps:
             raise ValueError("sft.locate_frame_captions is the frame stage's: set sft.locate_frame_steps > 0, or "
                              "sft.locate_frame_captions: 0")
-        if not 0.0 <= self.pretrain_target <= 1.0:
-            raise ValueError(f"sft.pretrain_target must be in [0, 1] (0 = run all sft.pretrain_steps), got "
-                             f"{self.pretrain_target}")
-        if self.pretrain_target and not (self.pretrain_steps and self.pretrain_drills and self.pretrain_check_drills):
-            raise ValueError("sft.pretrain_target > 0 checks phase 1's copying on held-out reading drills: set "
-                             "sft.pretrain_steps and sft.pretrain_drills > 0, or sft.pretrain_target: 0")
-        if self.pretrain_check_drills < 0 or self.pretrain_check_from < 0:
-            raise ValueError(f"sft.pretrain_check_drills and sft.pretrain_check_from must be >= 0, got "
-                             f"{self.pretrain_check_drills}, {self.pretrain_check_from}")
+        if self.pretrain_check_drills < 0:
+            raise ValueError(f"sft.pretrain_check_drills must be >= 0, got {self.pretrain_check_drills}")
         if self.locate_steps and not self.pretrain_locate:
             raise ValueError("sft.locate_steps > 0 trains on the localisation drills: set sft.pretrain_locate > 0")
         if self.locate_steps:  # the vision drills are then the block's, not phase 1's
@@ -304,11 +219,6 @@ class Params:
             counts.pop("pretrain_zoom_captions")
         if self.pretrain_steps and not any(counts.values()):
             raise ValueError(f"sft.pretrain_steps > 0 needs one of {', '.join(counts)} > 0")
-        for k in ("pretrain_batch_size", "locate_batch_size"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"sft.{k} must be >= 0 (0 = sft.batch_size), got {getattr(self, k)}")
-        if self.pretrain_group_batches < 1:
-            raise ValueError(f"sft.pretrain_group_batches must be >= 1, got {self.pretrain_group_batches}")
         self.train_config()  # validates the training knobs
 
     def vision_config(self):
@@ -328,36 +238,30 @@ class Params:
                                     checkpoint_every=self.checkpoint_every, seed=self.seed)
 
     def pretrain_config(self):
-        """Phase 1's training config: ``pretrain_steps`` steps of ``pretrain_batch_size`` (``batch_size`` when 0)
-        at ``pretrain_lr`` (``lr`` when 0), in ``pretrain_group_batches`` length-grouped batches (1 = shuffled:
-        grouped, the drills' batches pad less but come in runs of one drill kind, and the SFT model copied the top
-        title less: README, run Q)."""
-        return self.train_config(self.pretrain_steps, lr=self.pretrain_lr or self.lr,
-                                 group_batches=self.pretrain_group_batches, batch_size=self.pretrain_batch_size)
+        """Phase 1's training config: ``pretrain_steps`` steps in plain shuffled batches (length-grouped ones pad
+        less but come in runs of one drill kind, and the model copied worse: docs/findings.md)."""
+        return self.train_config(self.pretrain_steps, group_batches=1)
 
     def locate_config(self):
-        """The localisation block's training config: ``locate_steps`` steps of ``locate_batch_size``
-        (``batch_size`` when 0) at ``lr`` and ``vision_lr``; plain shuffled batches."""
-        return self.train_config(self.locate_steps, group_batches=1, batch_size=self.locate_batch_size)
+        """The localisation block's training config: ``locate_steps`` steps; plain shuffled batches."""
+        return self.train_config(self.locate_steps, group_batches=1)
 
     def locate_frame_config(self):
         """The block's frame stage's config: :meth:`locate_config` with ``locate_frame_steps`` steps."""
-        return self.train_config(self.locate_frame_steps, group_batches=1, batch_size=self.locate_batch_size)
+        return self.train_config(self.locate_frame_steps, group_batches=1)
 
-    def train_config(self, max_steps: int | None = None, lr: float | None = None, group_batches: int | None = None,
-                     batch_size: int = 0):
-        """Phase 2's training config, or a phase's with its ``max_steps``, ``lr``, ``group_batches`` and
-        ``batch_size`` (0 = ``batch_size``)."""
+    def train_config(self, max_steps: int | None = None, group_batches: int | None = None):
+        """Phase 2's training config, or a phase's with its ``max_steps`` and ``group_batches``."""
         from mars.train.optim import OptimConfig
         from mars.train.sft import SFTConfig
 
         optim = OptimConfig(
-            lr=self.lr if lr is None else lr, vision_lr=self.vision_lr, weight_decay=self.weight_decay,
+            lr=self.lr, vision_lr=self.vision_lr, weight_decay=self.weight_decay,
             warmup_steps=self.warmup_steps, schedule=self.schedule, min_lr_ratio=self.min_lr_ratio,
             max_steps=self.max_steps if max_steps is None else max_steps,
             clip_norm=self.clip_norm, freeze_vision=self.freeze_vision, deepspeed_stage=self.deepspeed_stage,
         )
-        return SFTConfig(optim=optim, batch_size=batch_size or self.batch_size, grad_accum=self.grad_accum,
+        return SFTConfig(optim=optim, batch_size=self.batch_size, grad_accum=self.grad_accum,
                          checkpoint_every=self.checkpoint_every, precision=self.precision, seed=self.seed,
                          group_batches=self.group_batches if group_batches is None else group_batches,
                          length_split=self.length_split, compile=self.compile)
@@ -399,12 +303,8 @@ def teacher_trajectories(params: Params, agent: AgentParams, questions: list[dic
 
 
 def tokenizer_texts(world_dir: Path, questions: list[dict], trajs: list, system: str) -> list[str]:
-    """What the local tokenizer is fitted to: corpus, names, questions, teacher dialogues, protocol.
-
-    The teacher's dialogues stay in (measured, README session 19): fitted to the teacher's fixed wording and its
-    tool observations instead of its turns (runs Z3, Z5), the SFT model's query copied the top image-search title
-    in 24-28% of the test chains (36-70% in runs W and Y, two seeds of this fit) and it scored 10.8-12.5%
-    (15.0-15.8%)."""
+    """What the local tokenizer is fitted to: corpus, names, questions, teacher dialogues, protocol (fitted without
+    the teacher's turns, the model copied names less: docs/findings.md)."""
     from mars.data.schemas import CORPUS
 
     texts = [r["title"] + " " + r["text"] for r in read_table(world_dir / "corpus.parquet", CORPUS).to_pylist()]
@@ -419,29 +319,22 @@ def tokenizer_texts(world_dir: Path, questions: list[dict], trajs: list, system:
 def pretrain_dialogues(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path,
                        all_questions: list[dict], scene: SceneConfig | None = None, system: str | None = None
                        ) -> list[list[dict]]:
-    """The pre-training phase's data: ``pretrain_captions`` gallery captions (:mod:`mars.synth.captions`),
-    ``pretrain_drills`` reading drills (:mod:`mars.synth.drills`), never about an entity of a test question,
-    ``pretrain_copy`` pure copy drills of fresh names (:func:`mars.synth.drills.copy_drills`)
-    and the vision drills (:func:`vision_drills`: localisation drills and zoom captions). With ``locate_steps`` > 0
-    the vision drills are not phase 1's but the block's (:func:`locate_block_dialogues`)."""
+    """Phase 1's data: ``pretrain_drills`` reading drills (:mod:`mars.synth.drills`), never about an entity of a
+    test question, and, without a localisation block (``locate_steps`` 0), the vision drills
+    (:func:`vision_drills`)."""
     if params.pretrain_steps == 0:
         return []
     _check_scene(params, scene)
     from mars.data.schemas import GALLERY
-    from mars.synth.captions import caption_dialogues
-    from mars.synth.drills import copy_drills
 
     held_out = _test_entities(all_questions)
     gallery = read_table(world_dir / "gallery.parquet", GALLERY).to_pylist()
     entities = read_table(world_dir / "entities.parquet", ENTITIES).to_pylist()
-    captions = caption_dialogues(gallery, entities, world_dir / "gallery", n=params.pretrain_captions,
-                                 seed=params.seed, exclude_entities=held_out)
-    drills = _reading_drills(params, agent, world_dir, index_dir, entities, gallery, held_out,
-                             n=params.pretrain_drills, seed=params.seed)
-    drills += copy_drills(entities, n=params.pretrain_copy, seed=params.seed, rename_from=params.drill_names)
+    drills = _reading_drills(agent, world_dir, index_dir, entities, gallery, held_out, n=params.pretrain_drills,
+                             seed=params.seed)
     if params.locate_steps or scene is None:
-        return captions + drills
-    return captions + drills + vision_drills(params, scene, system, asked_attributes(all_questions))
+        return drills
+    return drills + vision_drills(params, scene, system, asked_attributes(all_questions))
 
 
 def reading_dialogues(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path,
@@ -465,9 +358,8 @@ def play_and_draw(params: Params, agent: AgentParams, inputs: dict[str, Path], a
     torch threads, as the drawing holds that many cores. Returns (trajectories, teacher stats with
     ``beside_drawing_s``: the seconds of ``meanwhile``, and ``drills_wait_s``: how long the drawing outlasted the
     teacher and ``meanwhile``, phase 1's dialogues, the block's, the check drills). One worker (the stage's) draws
-    the two in turn; two draw them at once, which on two cores did not shorten the step (the colour profile's data:
-    teacher and drawing 5.8 minutes with one worker, run P3, 5.6 with two, run P5; README, session 25), as the
-    teacher and one worker already hold both cores; ``bench/probe_drawing.py`` times both."""
+    the two in turn; two draw them at once, which on two cores did not shorten the step (5.8 minutes against 5.6:
+    the teacher and one worker already hold both cores; ``bench/probe_drawing.py`` times both)."""
     import multiprocessing as mp
 
     if workers not in (1, 2):
@@ -505,7 +397,7 @@ def check_drills(params: Params, agent: AgentParams, world_dir: Path, index_dir:
 
     entities = read_table(world_dir / "entities.parquet", ENTITIES).to_pylist()
     gallery = read_table(world_dir / "gallery.parquet", GALLERY).to_pylist()
-    return _reading_drills(params, agent, world_dir, index_dir, entities, gallery, _test_entities(all_questions),
+    return _reading_drills(agent, world_dir, index_dir, entities, gallery, _test_entities(all_questions),
                            n=params.pretrain_check_drills, seed=params.seed + 99)
 
 
@@ -514,14 +406,13 @@ def _test_entities(questions: list[dict]) -> set[str]:
     return {q["entity_id"] for q in questions if q["split"] == "test" and q.get("entity_id")}
 
 
-def _reading_drills(params: Params, agent: AgentParams, world_dir: Path, index_dir: Path, entities: list[dict],
+def _reading_drills(agent: AgentParams, world_dir: Path, index_dir: Path, entities: list[dict],
                     gallery: list[dict], held_out: set[str], *, n: int, seed: int) -> list[list[dict]]:
-    """``n`` reading drills (:func:`mars.synth.drills.reading_drills`) with the params' chain share and names."""
+    """``n`` reading drills (:func:`mars.synth.drills.reading_drills`) through the agent's tools."""
     from mars.synth.drills import reading_drills
 
     return reading_drills(agent.toolbox(index_dir, world_dir / "gallery"), entities, gallery, world_dir / "gallery",
-                          n=n, seed=seed, exclude_entities=held_out, chain_share=params.drill_chains,
-                          rename_from=params.drill_names)
+                          n=n, seed=seed, exclude_entities=held_out)
 
 
 def locate_block_dialogues(params: Params, scene: SceneConfig | None = None, system: str | None = None,
@@ -593,8 +484,7 @@ def build_stack(params: Params, agent: AgentParams, texts: list[str]):
         model, tok, proc = load_checkpoint(params.init_checkpoint)
         agent.check_processor(proc, params.init_checkpoint)
         return model, tok, proc
-    tok = (train_tokenizer(texts, vocab_size=params.vocab_size, pretokenizer=params.pretokenizer,
-                           split_digits=params.split_digits)
+    tok = (train_tokenizer(texts, vocab_size=params.vocab_size, pretokenizer=params.pretokenizer)
            if params.tokenizer == "local" else load_qwen_vocab())
     proc = build_processor(tok, agent.min_pixels, agent.max_pixels, arch=params.arch)
     ids = tok.convert_tokens_to_ids
@@ -618,8 +508,8 @@ def phase_keys(params: Params, common: Sequence, data: dict[str, Sequence[str]])
     own knobs (:data:`PHASE_KNOBS`) and the digests of the data it trains on (``data[phase]``); the first key holds
     ``common`` (the agent params, input and code hashes, the tokenizer's digest) and every param no later phase
     owns. So a phase resumes (or, complete, is restored from its last checkpoint) only when it and everything
-    before it would train the same, and a change of a later phase's knobs keeps it: with the colour profile a new
-    ``locate_steps`` reruns the block and phase 2 and restores phases 0 and 1 (about 19 minutes) in seconds."""
+    before it would train the same, and a change of a later phase's knobs keeps it: a new ``locate_steps`` reruns
+    the block and phase 2 and restores phases 0 and 1 (about 19 minutes) in seconds."""
     from mars.train.checkpoint import fingerprint
 
     values = asdict(params)
@@ -665,11 +555,11 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         def prepare(trajs: list) -> None:
             """Everything that needs the teacher's trajectories and not the drills, beside the drawing when there is
             one (:func:`play_and_draw`): the model and tokenizer, the untrained base checkpoint, the trajectories'
-            examples and phase 0's reading (its own crops; the colour profile's ~2.5 minutes)."""
+            examples and phase 0's reading (its own crops; about 2.5 minutes)."""
             model, tok, proc = build_stack(params, agent, tokenizer_texts(inputs["world_dir"], questions, trajs,
                                                                           system))
             save_checkpoint(model, tok, proc, out / "base")
-            dialogues = trajectory_dialogues(params, trajs, inputs["world_dir"])
+            dialogues = [t.messages for t in trajs]
             examples = render_examples(dialogues, proc, params.max_len, desc="rendering trajectories")
             _check_masks(examples, tok)
             # the code, the world's scene knobs, the tokenizer and each phase's data are in its key: a code change
@@ -713,13 +603,13 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
             rest = dialogues[len(frame):] if name == "locate" else dialogues  # the frame stage's are rendered
             block = frame_examples + render_examples(rest, proc, params.max_len, desc=f"rendering {name} data")
             _check_masks(block, tok)
-            # the block keeps seeing phase 1's data: alone, its 600 steps erased the copying (README, Results)
+            # the block keeps seeing phase 1's data: alone, it erased the copying (docs/findings.md)
             kept = _mix(pool, len(block), params.locate_mix, params.seed) if name != "pretrain" else []
-            check = (copy_check(params, proc, held_out) if name == "pretrain"
+            check = (copy_check(proc, held_out) if name == "pretrain"
                      else locate_check(params, proc, scene, system, attributes, read=name == "locate"))
             res = train_sft(model, block + kept, config(), pad_id=tok.pad_token_id,
                             ckpt_dir=outputs["checkpoints"] / name, live_dir=None,
-                            fp=keys[name], until=check)
+                            fp=keys[name], until=None if name == "pretrain" else check)
             pre_stats |= {f"{name}_examples": len(block), f"{name}_loss_first": res["loss_first"],
                           f"{name}_loss_final": res["loss_final"], f"{name}_tokens_per_s": res["tokens_per_s"],
                           f"{name}_steps_run": res["steps"]}
@@ -770,34 +660,19 @@ def locate_check(params: Params, proc, scene: SceneConfig, system: str, attribut
 def frame_stage_dialogues(params: Params, block: list[list[dict]]) -> list[list[dict]]:
     """The block's frame stage's data (``locate_frame_steps`` > 0, else none): the block's dialogues
     (:func:`locate_block_dialogues`: the localisation drills, then ``pretrain_zoom_captions`` zoom captions) up to
-    its first ``locate_frame_captions`` captions. Measured (README, session 29): on seed 1 the first zoom formed in
-    500 steps with 1,000 captions and not in 1,600 with 4,000, which the read needs."""
+    its first ``locate_frame_captions`` captions: on one seed the first zoom formed in 500 steps with 1,000
+    captions and not in 1,600 with 4,000, which the read needs (docs/findings.md)."""
     if not (params.locate_frame_steps and block):
         return []
     return block[:len(block) - params.pretrain_zoom_captions + params.locate_frame_captions]
 
 
-def copy_check(params: Params, proc, drills: list[list[dict]]):
-    """Phase 1's check (:class:`mars.synth.drills.CopyCheck`; None without held-out ``drills``,
-    :func:`check_drills`): the share of them the greedy reply copies right, asked at the checkpoints from step
-    ``pretrain_check_from`` on when ``pretrain_target`` > 0 (a stopping check), else only scored after phase 1."""
+def copy_check(proc, drills: list[list[dict]]):
+    """Phase 1's held-out copy score (:class:`mars.synth.drills.CopyCheck`; None without held-out ``drills``,
+    :func:`check_drills`): the share of them the greedy reply copies right, scored after phase 1."""
     from mars.synth.drills import CopyCheck
 
-    if not drills:
-        return None
-    return CopyCheck(proc, drills, target=params.pretrain_target, min_step=params.pretrain_check_from)
-
-
-def trajectory_dialogues(params: Params, trajs: list, world_dir: Path) -> list[list[dict]]:
-    """Phase 2's dialogues: the teacher trajectories, with stand-in names when ``trajectory_names`` asks for them
-    (:func:`mars.synth.drills.rename_dialogues`; ``trajectories.parquet`` keeps the real ones)."""
-    dialogues = [t.messages for t in trajs]
-    if params.trajectory_names == "real":
-        return dialogues
-    from mars.synth.drills import rename_dialogues
-
-    entities = read_table(world_dir / "entities.parquet", ENTITIES).to_pylist()
-    return rename_dialogues(dialogues, entities, seed=params.seed, rename_from=params.trajectory_names)
+    return CopyCheck(proc, drills) if drills else None
 
 
 def vision_pretrain(params: Params, model, proc, scene: SceneConfig, ckpt_dir: Path, fp: str) -> dict:

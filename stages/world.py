@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 class Params(WorldSpec):
     """The ``world`` section: every :class:`~mars.world.generate.WorldSpec` knob plus the source."""
 
+    emblem_frac: float = 0.12  # the generator's default is the tests' small-emblem world; the pipeline's are larger
     source: Literal["generated", "folder", "urls"] = "generated"
     folder: str = ""  # source=folder: directory of images
     urls_file: str = ""  # source=urls: text file with one URL per line

@@ -99,7 +99,85 @@ def test_post_init_validation_is_reported(tmp_path):
 
 def test_repository_params_are_valid():
     proc = sh([sys.executable, "-m", "mars.cli", "params", "check"], REPO)
-    assert "ok (profile colour" in proc.stdout
+    assert "ok (profile default" in proc.stdout
+
+
+def _section_classes() -> dict:
+    """Each params.yaml section and the dataclass that reads it."""
+    import importlib
+
+    from mars.agent.config import AgentParams
+    from pipelines.dvc import read_dag
+    from pipelines.flow import PipelineParams
+
+    classes = {name: importlib.import_module(f"stages.{name}").Params for name in read_dag(REPO)}
+    return {**classes, "agent": AgentParams, "pipeline": PipelineParams}
+
+
+def test_params_yaml_is_the_one_place_a_default_lives():
+    """Every dataclass field that reads params.yaml has the section's value as its default, and every key of a
+    section is a field (the default profile selects no overrides: the stage sections are what make repro runs)."""
+    import dataclasses
+
+    import yaml
+
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    assert doc["base"]["profile"] == "default"
+    assert all(v in ({}, None) for v in doc["profiles"]["default"].values())
+    differ = []
+    for section, cls in _section_classes().items():
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        assert set(doc[section]) <= set(fields), (section, set(doc[section]) - set(fields))
+        for name, f in fields.items():
+            if name == "seed":  # base.seed, shared
+                continue
+            assert name in doc[section], f"{section}.{name} has no value in params.yaml"
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            value = doc[section][name]
+            if (list(default) if isinstance(default, tuple) else default) != value:
+                differ.append(f"{section}.{name}: {default!r} in {cls.__module__}, {value!r} in params.yaml")
+    assert not differ, differ
+
+
+def _named_keys(text: str, sections: list[str]):
+    """(section, key) of every ``section.key`` named in ``text``, not part of a path or a dotted module name."""
+    import re
+
+    pattern = re.compile(r"(?<![\w./-])(" + "|".join(sections) + r")\.([a-z_][a-z0-9_]*)\b(?![(\w])")
+    for m in pattern.finditer(text):
+        if m.group(2) not in ("py", "json", "parquet", "html", "yaml", "md", "jsonl", "tsv", "txt", "faiss"):
+            yield m.groups()
+
+
+def test_every_param_named_in_docs_and_docstrings_exists():
+    """A param named in the README, docs/ (but the experiment record, which names removed knobs with the commit that
+    had them), params.yaml's comments, or a docstring or comment of the code is a key of params.yaml."""
+    import importlib
+    import io
+    import re
+    import tokenize
+
+    import yaml
+
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    sections = [s for s in doc if s != "profiles"]
+    texts = [(p, p.read_text()) for p in [REPO / "README.md", REPO / "params.yaml", *(REPO / "docs").glob("*.md")]
+             if p.name != "findings.md"]
+    for folder in ("mars", "stages", "pipelines", "bench", "tests"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            toks = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+            strings = (t.string for t in toks if t.type in (tokenize.COMMENT, tokenize.STRING))
+            texts.append((path, re.sub(r"\{[^{}]*\}", "", "\n".join(strings))))  # not an f-string's code
+    stale = []
+    for path, text in texts:
+        for section, key in _named_keys(text, sections):
+            if key in doc[section] or key == "seed":
+                continue
+            module = f"stages.{section}"
+            if section in doc and importlib.util.find_spec(module) and hasattr(importlib.import_module(module), key):
+                continue  # a function of the stage module (sft.phase_keys)
+            stale.append(f"{path.relative_to(REPO)}: {section}.{key}")
+    assert not stale, stale
 
 
 def test_typo_fails_before_any_work(toy_repo):

@@ -3,7 +3,7 @@
 What it does
     :func:`train_tokenizer` trains a deterministic byte-level BPE (``tokenizers`` library) on the given texts and
     wraps it as a :class:`transformers.PreTrainedTokenizerFast` that carries Qwen2.5-VL's special tokens, the agent
-    protocol tags (DESIGN.md section 4) as single added tokens, a Qwen-style ChatML chat template
+    protocol tags (docs/design.md, the agent protocol) as single added tokens, a Qwen-style ChatML chat template
     (:data:`CHAT_TEMPLATE`), ``eos = <|im_end|>`` and ``pad = <|endoftext|>``. Special tokens get the ids
     ``0..len(SPECIAL_TOKENS)-1`` in the order of :data:`SPECIAL_TOKENS`, then the protocol tags, then the BPE tokens.
     :func:`load_qwen_vocab` builds the real Qwen2/2.5 tokenizer (151,643 byte-level BPE tokens + Qwen2.5-VL's special
@@ -15,15 +15,14 @@ Deviations
     152k-row embedding). Its pre-tokenizer (``pretokenizer="trailing"``, :data:`TRAILING_SPLIT`) keeps the one
     space after a word with the word ("Alwor ", "Orchestra", "."), unlike Qwen's, which glues a leading space or
     symbol to a word: a name's first word is then the same ids after a space, a quote or a tag (where a copied
-    name starts), and no token is a lone space, so copying a name is a chain of next-token lookups. Measured on the
-    default world (README): with spaces as tokens of their own (``"words"``, :data:`WORD_SPLIT`), where the key
-    of every next word sits two tokens back, the reading drills' loss stopped near 0.40 and the SFT model's
-    text-search query started with the top image-search title in 2 of 76 test episodes; with ``"trailing"`` the
-    loss fell to 0.04 (a phase change near step 700) and the query was right in 36 of 71.
+    name starts), and no token is a lone space, so copying a name is a chain of next-token lookups. With spaces as
+    tokens of their own, where the key of every next word sits two tokens back, the reading drills' loss stopped
+    near 0.40 and the SFT model's text-search query started with the top image-search title in 2 of 76 test
+    episodes; with ``"trailing"`` the loss fell to 0.04 and the query was right in 36 of 71 (docs/findings.md).
     The vocabulary must stay small enough that names are split into pieces shared by many names (the default:
     1024): with a vocabulary large enough to make every name one token, a held-out entity's name is a token never
     trained on (at 4.5k tokens every test-split name held one, at 1024 9% did), and even with every such token
-    trained (the drills' stand-ins drawn from the world's own words) the name was not copied (README).
+    trained (the drills' stand-ins drawn from the world's own words) the name was not copied (docs/findings.md).
     The chat template does not insert Qwen's default system prompt when a dialogue has none, and renders a
     ``tool`` message as a ``user`` turn whose text is wrapped in ``<tool_response>...</tool_response>`` (unless it
     already is) followed by its images, as the reference release does (see :mod:`mars.model.chat`).
@@ -132,38 +131,24 @@ def _wrap(tok: Tokenizer, **extra) -> PreTrainedTokenizerFast:
     return fast
 
 
-# Pre-tokenization of the local BPE: letter runs, digit runs, whitespace runs and punctuation runs are separate
-# pieces, so a word never carries the space (or quote, or ">") before it. A name then has ONE token sequence
-# wherever it appears -- after a space in a tool response, after a quote in a JSON query, right after
-# <answer> -- and copying it is copying the same ids. GPT-2/Qwen-style pieces (" Egril" vs "Egril") made the
-# tiny model learn a different mapping per context, which it did not in the SFT budget (README, SFT notes).
-WORD_SPLIT = r"\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+"
-# "trailing": a word, number or symbol run keeps the one space after it ("Alwor ", "Orchestra", "."), so no token is
-# a lone space between two words and copying a name is a chain of next-token lookups (README)
+# Pre-tokenization of the local BPE ("trailing"): a word, number or symbol run keeps the one space after it ("Alwor ",
+# "Orchestra", "."), so a name is ONE token sequence wherever it appears -- after a space in a tool response, after a
+# quote in a JSON query, right after <answer> -- and no token is a lone space between two words: copying a name is a
+# chain of next-token lookups (module docstring).
 TRAILING_SPLIT = r"\p{L}+ ?|\p{N}+ ?|\s+|[^\s\p{L}\p{N}]+ ?"
-PRETOKENIZERS = ("words", "trailing", "bytelevel")
+PRETOKENIZERS = ("trailing", "bytelevel")
 
 
-def _split_pattern(pretokenizer: str, split_digits: bool) -> str:
-    """The local BPE's split regex; ``split_digits``: a number is one piece per digit (as Qwen's pre-tokenizer
-    does), so a year is the same four ids after a space, in a list of options or before ``</answer>``."""
-    pattern = WORD_SPLIT if pretokenizer == "words" else TRAILING_SPLIT
-    return pattern.replace(r"\p{N}+ ?", r"\p{N}").replace(r"\p{N}+", r"\p{N}") if split_digits else pattern
-
-
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, pretokenizer: str = "words",
-                    split_digits: bool = False) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048,
+                    pretokenizer: str = "trailing") -> PreTrainedTokenizerFast:
     """A byte-level BPE of at most ``vocab_size`` ids trained on ``texts`` (deterministic for the same texts).
 
     The 256 byte symbols are always in the vocabulary, so any string round-trips through encode/decode. Pieces
-    are split by the pre-tokenizer first: ``"words"`` by :data:`WORD_SPLIT`, ``"trailing"`` by
-    :data:`TRAILING_SPLIT` (a word keeps the space after it), ``"bytelevel"`` into GPT-2/Qwen-style pieces (a
-    leading space or symbol glued to a word); with a vocabulary large enough for the texts every word that occurs
-    twice becomes a single token (keep it smaller, so names share pieces: module docstring). ``split_digits``:
-    every digit is a piece of its own (no trailing space either), as in Qwen's pre-tokenizer; without it BPE
-    splits years into whatever pieces it merged ("17" "7" "6" for 1776, "18" "49" for 1849). Measured on the
-    default world (README, session 19, run Z): with single digits the SFT model copied years worse (1 of 11
-    against 10 of 14; a year's repeated digits make a previous-token lookup ambiguous), so the default is off.
+    are split by the pre-tokenizer first: ``"trailing"`` by :data:`TRAILING_SPLIT` (a word keeps the space after
+    it), ``"bytelevel"`` into GPT-2/Qwen-style pieces (a leading space or symbol glued to a word); with a
+    vocabulary large enough for the texts every word that occurs twice becomes a single token (keep it smaller, so
+    names share pieces: module docstring). Numbers are BPE pieces like words ("17" "7" "6" for 1776): one token per
+    digit, as Qwen's, made the model copy years worse (docs/findings.md).
     """
     if pretokenizer not in PRETOKENIZERS:
         raise ValueError(f"pretokenizer must be one of {PRETOKENIZERS}, got {pretokenizer!r}")
@@ -171,15 +156,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, pretokenizer: 
     if vocab_size < n_reserved + 256:
         raise ValueError(f"vocab_size must be >= {n_reserved + 256}, got {vocab_size}")
     tok = Tokenizer(models.BPE())
-    if pretokenizer != "bytelevel":
+    if pretokenizer == "trailing":
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_split_pattern(pretokenizer, split_digits)), behavior="isolated"),
+            pre_tokenizers.Split(Regex(TRAILING_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     else:
-        byte = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte])
-                             if split_digits else byte)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -1,47 +1,32 @@
-"""Emblem captions: a vision warm-up mixed into the SFT data (``sft.caption_examples``).
+"""Zoom captions: emblems read at the scale a zoom shows them (the sft stage's localisation block).
 
 What it does
-    :func:`caption_dialogues` turns the world's gallery renderings (``world/gallery.parquet``, the images behind
-    ``image_search``) into one-turn visual questions about an emblem's shape, letter or pattern, worded like the
-    perception questions ("Which letter is drawn on this emblem?"), open or multiple choice, answered in the
-    protocol's final-turn format (``<think>...</think>`` then ``<answer>...</answer>``). There is no system prompt
-    and no tool: the dialogue teaches the vision tower and the LM to read an emblem, not the agent protocol.
-    Entities named by any held-out question (``exclude_entities``: the test split's) are left out, so no test
-    answer is ever trained on, and the draw is seeded.
+    :func:`zoom_captions` writes one-turn visual questions about a NEW random emblem (one of no entity), worded like
+    the perception questions ("What colour is the emblem in the framed region?"), open or multiple choice, answered
+    in the protocol's final-turn format, on a crop drawn as the zoom tool shows the target: the central
+    ``target_zone`` of a framed cell of a full-size scene, a calm smooth background with the scene's noise, the
+    emblem at the scene's scale (``emblem_frac`` of the short side). So the vision tower learns to read an emblem at
+    the size a zoom gives it. The crop is drawn directly (the world keeps the zone free of clutter,
+    :func:`mars.world.scenes.draw_clutter`), so no 4K scene is rendered (0.2 s each); crops longer than
+    ``max_side`` (448 px, twice the view) are scaled down, as the processor would. :func:`zoom_crop` draws one such
+    crop with its emblem spec (also the images of the sft stage's vision pre-training, :mod:`mars.train.vision`).
+    ``sft.pretrain_zoom_captions`` of them join the localisation block; ``sft.locate_frame_captions`` of those its
+    first stage (docs/training.md, SFT).
 
 Deviation from the paper (and why)
-    The paper's policy starts from Qwen2.5-VL, whose vision encoder already reads shapes and letters; its cold
-    start teaches the agent, not the eyes. The embedded default's vision tower is random-init, and the sft split's
-    few dozen framed emblems cannot teach it 8 shapes, 7 patterns and 24 letters (perception stayed at chance
-    without this; README, SFT notes). The captions stand in for the base model's vision pre-training; they are off
-    (``caption_examples: 0``) for a pretrained ``init_checkpoint``.
-
-Zoom captions
-    :func:`zoom_captions` writes the same kind of question about a NEW random emblem (one of no entity) shown as the
-    zoom tool shows the target: the central ``target_zone`` of a framed cell of a full-size scene, a calm smooth
-    background with the scene's noise, the emblem at the scene's scale (``emblem_frac`` of the short side), so the
-    vision tower learns to read an emblem at the size a zoom gives it (a gallery rendering fills its image; the
-    emblem in a zone crop covers a fraction of it). The crop is drawn directly (the zone is kept free of clutter by
-    the world, :func:`mars.world.scenes.draw_clutter`), so no 4K scene is rendered (0.2 s each); crops longer
-    than ``max_side`` (448 px, twice the view) are scaled down, as the processor would. :func:`zoom_crop` draws one
-    such crop with its emblem spec (also the images of the sft stage's vision pre-training,
-    :mod:`mars.train.vision`). Measured (README): 1,000
-    of them in phase 1 did not raise perception measurably (the first zoom, which they do not teach, was at
-    chance); 2,000 in the localisation block, with the first zoom right in 70-99% of test scenes, neither (reading
-    after a right zoom stayed near the multiple-choice guess), so ``sft.pretrain_zoom_captions`` is 0 by default.
+    The paper's policy starts from Qwen2.5-VL, whose vision encoder already reads shapes, letters and colours; its
+    cold start teaches the agent, not the eyes. The embedded default's vision tower is random-init, and the sft
+    split's framed emblems are too few to teach it; the captions stand in for the base model's vision pre-training
+    and are off (``sft.pretrain_zoom_captions: 0``) for a pretrained ``init_checkpoint``.
 
 How to run (Python)::
 
-    dialogues = caption_dialogues(read_table(world / "gallery.parquet", GALLERY).to_pylist(),
-                                  read_table(world / "entities.parquet", ENTITIES).to_pylist(),
-                                  world / "gallery", n=600, seed=0, exclude_entities={"e0001"})
+    dialogues = zoom_captions(WorldSpec().scene_config(), n=600, seed=0, attributes=["colour"])
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image
@@ -53,68 +38,9 @@ from mars.world.questions import (ATTRIBUTES, FRAMED_SUBJECT, PERCEPTION_QUESTIO
                                   question_text)
 from mars.world.scenes import SceneConfig, add_tiled_noise, background, scene_size, zone_box
 
-__all__ = ["CAPTION_SUBJECT", "ZOOM_LONG_SIDE", "caption_dialogues", "zoom_captions", "zoom_crop"]
+__all__ = ["ZOOM_LONG_SIDE", "zoom_captions", "zoom_crop"]
 
-CAPTION_SUBJECT = "this emblem"
 ZOOM_LONG_SIDE = 448  # zoom captions are kept at about twice the policy's 224-px view (as the localisation drills)
-_THINK = (
-    "The emblem's {kind} is {value}.",
-    "I can see the {kind} clearly: {value}.",
-    "Looking at the emblem, the {kind} is {value}.",
-)
-
-
-def caption_dialogues(
-    gallery: list[dict],
-    entities: list[dict],
-    gallery_dir: str | Path,
-    *,
-    n: int,
-    seed: int = 0,
-    exclude_entities: Iterable[str] = (),
-    mcq_share: float = 0.5,
-) -> list[list[dict]]:
-    """``n`` caption dialogues (``[user: image + question, assistant: answer]``) drawn from ``gallery`` rows.
-
-    ``gallery``: rows of the GALLERY table (``entity_id``, ``path`` relative to ``gallery_dir``); ``entities``:
-    rows of ENTITIES (``emblem`` is the emblem spec as JSON). Renderings are drawn without replacement while they
-    last (then again, in a new order), each with a random attribute and format.
-    """
-    if n < 0:
-        raise ValueError(f"the number of caption dialogues must be >= 0, got {n}")
-    if not 0.0 <= mcq_share <= 1.0:
-        raise ValueError(f"mcq_share must be in [0, 1], got {mcq_share}")
-    if n == 0:
-        return []
-    specs = {e["entity_id"]: json.loads(e["emblem"]) for e in entities if e.get("emblem")}
-    excluded = set(exclude_entities)
-    rows = sorted((r for r in gallery if r["entity_id"] in specs and r["entity_id"] not in excluded),
-                  key=lambda r: r["path"])
-    if not rows:
-        raise ValueError(f"no gallery rendering left for captions ({len(gallery)} rows, {len(excluded)} entities "
-                         "excluded); set sft.caption_examples to 0 or generate a larger world")
-    root = Path(gallery_dir)
-    rng = np.random.default_rng([seed, 31])
-    order: list[int] = []
-    out: list[list[dict]] = []
-    cache: dict[str, Image.Image] = {}
-    for _ in range(n):
-        if not order:
-            order = [int(i) for i in rng.permutation(len(rows))]
-        row = rows[order.pop()]
-        text, reply = _attribute_qa(specs[row["entity_id"]], CAPTION_SUBJECT, _THINK, rng, mcq_share)
-        path = row["path"]
-        if path not in cache:
-            try:
-                with Image.open(root / path) as im:
-                    cache[path] = im.convert("RGB")
-            except OSError as exc:
-                raise ValueError(f"gallery image {root / path} is unreadable ({exc}); rerun the world stage") from exc
-        out.append([
-            {"role": "user", "content": [{"type": "image", "image": cache[path]}, {"type": "text", "text": text}]},
-            {"role": "assistant", "content": reply},
-        ])
-    return out
 
 
 def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float = 0.5,
@@ -163,7 +89,7 @@ def zoom_crop(scene: SceneConfig, rng: np.random.Generator, max_side: int = ZOOM
     emblem = render_emblem(spec, size_px, float(rng.uniform(-20, 20)))
     ex, ey = max(0, zw - emblem.width), max(0, zh - emblem.height)
     img.paste(emblem, (int(rng.integers(0, ex + 1)), int(rng.integers(0, ey + 1))), emblem)
-    if max(zw, zh) > max_side:  # a 4K scene's zone is ~1 MB of pixels; 2,000 of them held 2 GB (README)
+    if max(zw, zh) > max_side:  # a 4K scene's zone is ~1 MB of pixels; 2,000 of them held 2 GB
         f = max_side / max(zw, zh)
         img = img.resize((max(1, round(zw * f)), max(1, round(zh * f))), Image.Resampling.LANCZOS)
     return img, spec

@@ -33,10 +33,10 @@ What it does
        and reaches the same final weights as an uninterrupted run (CPU, same seed).
 
 Recipes (``algorithm``): ``bn_gspo`` (default; bn + sequence), ``gspo`` (grpo + sequence), ``grpo`` (grpo +
-token); ``estimator`` / ``level`` override the recipe's parts.
+token).
 
 Deviations
-    - The released MARS script runs plain GRPO; the paper's BN-GSPO is the default here (DESIGN.md section 6).
+    - The released MARS script runs plain GRPO; the paper's BN-GSPO is the default here (docs/design.md, BN-GSPO).
     - The policy is rolled out in process (HF backend); on GPUs rollouts go to a vLLM server through the ``openai``
       backend, with the weights pushed to the server after each update (:func:`mars.serve.openai_server` exposes
       the reload call the stage uses; see the README).
@@ -87,8 +87,6 @@ class RLConfig:
                                                                   schedule="constant"))  # max_steps: from ``updates``
     steps: int = 40  # RL steps (rollouts + updates); the schedule spans ``updates`` optimizer steps
     algorithm: str = "bn_gspo"
-    estimator: str = ""  # "" = the recipe's
-    level: str = ""
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_beta: float = 0.0
@@ -110,10 +108,6 @@ class RLConfig:
     def __post_init__(self) -> None:
         if self.algorithm not in RECIPES:
             raise ValueError(f"rl.algorithm must be one of {sorted(RECIPES)}, got {self.algorithm!r}")
-        if self.estimator not in ("", "grpo", "bn", "none"):
-            raise ValueError(f"rl.estimator must be '', grpo, bn or none, got {self.estimator!r}")
-        if self.level not in ("", "token", "sequence"):
-            raise ValueError(f"rl.level must be '', token or sequence, got {self.level!r}")
         if self.group_size < 2:
             raise ValueError(f"rl.group_size must be >= 2 (a group z-score needs two rollouts), got {self.group_size}")
         if not self.temperature > 0:
@@ -132,8 +126,7 @@ class RLConfig:
 
     @property
     def recipe(self) -> tuple[str, str]:
-        est, lvl = RECIPES[self.algorithm]
-        return (self.estimator or est, self.level or lvl)
+        return RECIPES[self.algorithm]
 
 
 def sequence_logps(model, batch, *, temperature: float = 1.0, suppress: Sequence[int] = (),

@@ -4,8 +4,8 @@ The world is an offline stand-in for the web, Wikipedia and 4K news photos (DESI
 
 - entities with a procedural emblem and facts (kind, founding year, city, founder), plus
   distractor entities with similar names that exist only in the corpus;
-- a text corpus: several short documents per entity stating its facts (``corpus_style``: varied
-  wording, each fact after one fixed cue, or one fact per document; :mod:`mars.world.text`);
+- a text corpus: several short documents per entity stating its facts in varied wording
+  (:mod:`mars.world.text`);
 - a gallery: several renderings of each real entity's emblem, split "index" / "heldout";
 - a raw image pool: high-resolution scenes (see :mod:`mars.world.scenes`) and, when
   ``planted``, the curation traps of :mod:`mars.world.planted`;
@@ -43,8 +43,6 @@ from mars.world import planted as pl
 from mars.world.emblems import colour_schemes, emblem_json, random_emblem, render_gallery_image
 from mars.world.scenes import SceneConfig, SceneInfo, long_side_range, render_clutter, render_scene, size_multiple
 from mars.world.text import (
-    CORPUS_STYLES,
-    SINGLE_FACTS,
     Facts,
     KINDS,
     different_facts,
@@ -97,7 +95,6 @@ class WorldSpec:
     planted: bool = True
     jpeg_quality: int = 90
     colour_schemes: int = 6  # shared colour schemes (0 = every emblem draws its own colours)
-    corpus_style: str = "varied"  # the documents' wording: varied | plain | single (mars.world.text.CORPUS_STYLES)
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -141,11 +138,6 @@ class WorldSpec:
         except ValueError as exc:
             raise ValueError(f"WorldSpec: {exc}") from None
         need(30 <= self.jpeg_quality <= 100, f"jpeg_quality must be in 30..100, got {self.jpeg_quality}")
-        need(self.corpus_style in CORPUS_STYLES,
-             f"corpus_style must be one of {sorted(CORPUS_STYLES)}, got {self.corpus_style!r}")
-        need(self.corpus_style != "single" or self.docs_per_entity >= SINGLE_FACTS,
-             f"corpus_style single states one fact per document: docs_per_entity must be >= {SINGLE_FACTS} for "
-             f"every fact to be stated, got {self.docs_per_entity}")
 
     @property
     def difficulty(self) -> int:
@@ -261,7 +253,7 @@ def corpus_rows(spec: WorldSpec, entities: Sequence[Entity]) -> list[dict[str, A
     rows = []
     for k, e in enumerate(entities):
         rng = np.random.default_rng([spec.seed, STREAM_DOCS, k])
-        docs = entity_documents(rng, e.name, e.facts, spec.docs_per_entity, spec.corpus_style)
+        docs = entity_documents(rng, e.name, e.facts, spec.docs_per_entity)
         for j, (title, text) in enumerate(docs):
             rows.append(dict(doc_id=f"{e.entity_id}-{j}", entity_id=e.entity_id, title=title, text=text,
                              is_distractor=e.is_distractor))

@@ -7,16 +7,10 @@ same seed always yields the same names and the same documents:
 - :func:`make_facts` draws the facts of one entity (kind, founding year, city, founder);
 - :func:`distractor_name` derives a similar name (one letter changed, or a shared word);
 - :func:`entity_documents` writes the short documents that state an entity's facts (what
-  ``text_search`` searches), in one of two corpus styles (:data:`CORPUS_STYLES`): ``varied``
-  (eight sentence templates that word each fact differently: "established in X", "based in X",
-  "Located in X") or ``plain`` (four templates in which each fact always follows the same cue,
-  a word of the question or of the teacher's query: "founded in 1846", "in the city of
-  Thimhaven", "its founder was Arir Ionubruth"; only the order of the facts varies) or ``single``
-  (one fact per document, after the plain style's cue, and fillers that name no other fact: what a
-  web search's query-biased snippet shows for "<name> founder").
-
-Deviation: real web and Wikipedia text words its facts every which way; the ``plain`` and ``single``
-styles are curriculum steps for a 1M-parameter reader (README, Results), ``varied`` the harder world.
+  ``text_search`` searches), with eight sentence templates that word each fact differently
+  ("established in X", "based in X", "Located in X"), as real web and Wikipedia text does. (Plainer
+  wordings, each fact after one fixed cue or one fact per document, were measured no easier for the
+  tiny reader: docs/findings.md.)
 
 Try it: ``python -m mars.world.text`` prints a few names and one document.
 """
@@ -167,26 +161,6 @@ TEMPLATES: tuple[str, ...] = (
     "{name} ({kind}, {city}) was founded in {year}; the founder was {founder}.",
     "Records show that {name} was founded in {year} by {founder}. The {kind} is in {city}.",
 )
-# The plain style: each fact after one fixed cue that shares a word with the question or the query keyword
-# (mars.agent.oracle.FACT_KEYWORD: founded / city / founder): "founded in {year}", "the city of {city}",
-# "its founder was {founder}".
-PLAIN_TEMPLATES: tuple[str, ...] = (
-    "{name} is {a_kind} in the city of {city}, founded in {year}; its founder was {founder}.",
-    "{name} was founded in {year} in the city of {city}; its founder was {founder}.",
-    "{name} is {a_kind}; its founder was {founder}. It was founded in {year} in the city of {city}.",
-    "The {kind} {name} is in the city of {city}. It was founded in {year}; its founder was {founder}.",
-)
-# The single style: one fact per document, after the plain style's cue (a web search's query-biased snippet: the
-# query "<name> founder" finds the document that states the founder, and that document states nothing else).
-# Document j states fact j modulo 3, so docs_per_entity >= 3 states every fact (WorldSpec checks it).
-SINGLE_TEMPLATES: tuple[str, ...] = (
-    "{name} was founded in {year}.",
-    "{name} is {a_kind} in the city of {city}.",
-    "{name} is {a_kind}; its founder was {founder}.",
-)
-SINGLE_FACTS = len(SINGLE_TEMPLATES)
-CORPUS_STYLES: dict[str, tuple[str, ...]] = {"varied": TEMPLATES, "plain": PLAIN_TEMPLATES,
-                                             "single": SINGLE_TEMPLATES}
 FILLERS: tuple[str, ...] = (
     "It is known locally for its annual open day.",
     "Records of its early years are incomplete.",
@@ -205,10 +179,9 @@ def document_title(name: str, j: int) -> str:
     return name if j == 0 else f"{name} - {SECTIONS[(j - 1) % len(SECTIONS)]}"
 
 
-def document_text(rng: np.random.Generator, name: str, facts: Facts, j: int, style: str = "varied") -> str:
-    """One short document stating all of ``facts`` with template ``j``-dependent wording of ``style`` (``single``:
-    the one fact ``j`` modulo 3)."""
-    templates = _templates(style)
+def document_text(rng: np.random.Generator, name: str, facts: Facts, j: int) -> str:
+    """One short document stating all of ``facts`` with template ``j``-dependent wording, and up to two fillers."""
+    templates = TEMPLATES
     values = {
         "name": name,
         "kind": facts.kind,
@@ -218,12 +191,8 @@ def document_text(rng: np.random.Generator, name: str, facts: Facts, j: int, sty
         "founder": facts.founder,
     }
     start = int(rng.integers(len(templates)))
-    if style == "single":  # document j states fact j (mod 3) and nothing else: fillers that name none
-        sentences = [templates[j % len(templates)].format(**values)]
-        fillers = [f for f in FILLERS if "{city}" not in f and "{founder}" not in f]
-    else:
-        sentences = [templates[(start + j) % len(templates)].format(**values)]
-        fillers = list(FILLERS)
+    sentences = [templates[(start + j) % len(templates)].format(**values)]
+    fillers = list(FILLERS)
     n_fill = int(rng.integers(0, 3))
     for k in rng.permutation(len(fillers))[:n_fill]:
         sentences.append(fillers[int(k)].format(**values))
@@ -231,19 +200,9 @@ def document_text(rng: np.random.Generator, name: str, facts: Facts, j: int, sty
     return text[0].upper() + text[1:]
 
 
-def _templates(style: str) -> tuple[str, ...]:
-    if style not in CORPUS_STYLES:
-        raise ValueError(f"unknown corpus style {style!r}; expected one of {sorted(CORPUS_STYLES)}")
-    return CORPUS_STYLES[style]
-
-
-def entity_documents(
-    rng: np.random.Generator, name: str, facts: Facts, n_docs: int, style: str = "varied"
-) -> list[tuple[str, str]]:
-    """``n_docs`` (title, text) documents about one entity, each stating all its facts in ``style`` (``single``: one
-    fact each, in turn)."""
-    _templates(style)
-    return [(document_title(name, j), document_text(rng, name, facts, j, style)) for j in range(n_docs)]
+def entity_documents(rng: np.random.Generator, name: str, facts: Facts, n_docs: int) -> list[tuple[str, str]]:
+    """``n_docs`` (title, text) documents about one entity, each stating all its facts."""
+    return [(document_title(name, j), document_text(rng, name, facts, j)) for j in range(n_docs)]
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def test_tokenizer_digest_tells_vocabularies_and_templates_apart(tmp_path):
     d = tokenizer_digest(tok)
     assert len(d) == 16 and d == tokenizer_digest(train_tokenizer(corpus(), vocab_size=512))
     assert d != tokenizer_digest(train_tokenizer(corpus(), vocab_size=300))
-    assert d != tokenizer_digest(train_tokenizer(corpus(), vocab_size=512, pretokenizer="trailing"))
+    assert d != tokenizer_digest(train_tokenizer(corpus(), vocab_size=512, pretokenizer="bytelevel"))
     other = copy.deepcopy(tok)
     other.chat_template = tok.chat_template + " "
     assert tokenizer_digest(other) != d
@@ -90,17 +90,7 @@ def test_tokenizer_digest_tells_vocabularies_and_templates_apart(tmp_path):
     assert tokenizer_digest(AutoTokenizer.from_pretrained(tmp_path / "tok")) == d
 
 
-def test_a_word_has_the_same_ids_in_every_context():
-    """Words never carry the space, quote or tag before them, so copying a name is copying the same ids."""
-    tok, _, _ = tiny_stack()
-    name = tok.encode("guild", add_special_tokens=False)
-    assert len(name) == 1  # frequent words are single tokens
-    for ctx in ("the guild", '{"query": "guild', "<answer>guild", "\nguild", "(guild"):
-        ids = tok.encode(ctx, add_special_tokens=False)
-        assert ids[-1:] == name, ctx
-    year = tok.encode("1987", add_special_tokens=False)
-    assert tok.encode("in 1987", add_special_tokens=False)[-len(year):] == year
-    assert tok.encode("<answer>1987", add_special_tokens=False)[-len(year):] == year
+def test_bytelevel_glues_the_space_and_an_unknown_pretokenizer_fails():
     # the GPT-2/Qwen-style option glues the space to the word: two contexts, two different pieces
     byte = train_tokenizer(corpus(), vocab_size=512, pretokenizer="bytelevel")
     assert byte.encode("the guild", add_special_tokens=False)[-1] != byte.encode('"guild', add_special_tokens=False)[-1]
@@ -118,29 +108,13 @@ def test_trailing_pretokenizer_keeps_the_space_after_a_word():
         assert pieces(ctx)[-3:] == ["guild ", "1987", "."], ctx
     s = 'Top match: guild  city.\n<answer>1987</answer> héllo'
     assert tok.decode(tok.encode(s, add_special_tokens=False)) == s  # lossless, double spaces included
-    words = train_tokenizer(corpus(), vocab_size=512)
-    assert len(tok.encode(s, add_special_tokens=False)) < len(words.encode(s, add_special_tokens=False))
 
 
-def test_split_digits_gives_a_year_the_same_digit_ids_in_every_context():
-    """split_digits: a number is one token per digit (no trailing space), so a year read from a snippet, listed as an
-    option or answered is the same four ids; without it BPE cut years into the pieces it had merged."""
-    merged = train_tokenizer(corpus(), vocab_size=512, pretokenizer="trailing")
-    assert [merged.decode([i]) for i in merged.encode("1987", add_special_tokens=False)] == ["1987"]
-    for mode in ("trailing", "words", "bytelevel"):
-        tok = train_tokenizer(corpus(), vocab_size=512, pretokenizer=mode, split_digits=True)
-        pieces = lambda s: [tok.decode([i]) for i in tok.encode(s, add_special_tokens=False)]  # noqa: E731
-        year = tok.encode("1987", add_special_tokens=False)
-        assert pieces("1987") == ["1", "9", "8", "7"], mode
-        for ctx in ("founded in 1987, in the city", "B. 1987\nC. 1911", "<answer>1987</answer>", "gives 1987."):
-            ids = tok.encode(ctx, add_special_tokens=False)
-            assert any(ids[i:i + 4] == year for i in range(len(ids))), (mode, ctx, pieces(ctx))
-        s = "founded in 1987 by  the guild\n<answer>1987</answer>"
-        assert tok.decode(tok.encode(s, add_special_tokens=False)) == s, mode
-    tok = train_tokenizer(corpus(), vocab_size=512, pretokenizer="trailing", split_digits=True)
-    # words keep their trailing space; the space after a digit is a token of its own
-    assert [tok.decode([i]) for i in tok.encode("the guild 1987 city.", add_special_tokens=False)] == [
-        "the ", "guild ", "1", "9", "8", "7", " ", "city", "."]
+def test_a_year_is_one_merged_piece():
+    """Numbers are BPE pieces like words: a year seen often enough is one token (one token per digit copied years
+    worse: docs/findings.md)."""
+    tok = train_tokenizer(corpus(), vocab_size=512, pretokenizer="trailing")
+    assert [tok.decode([i]) for i in tok.encode("1987", add_special_tokens=False)] == ["1987"]
 
 
 def test_qwen_vocab_special_ids():

@@ -27,7 +27,7 @@ import yaml
 
 from mars.agent.config import AgentParams
 from mars.model.build import build_model, load_checkpoint
-from mars.params import load_params
+from mars.params import ParamsError, load_params
 from mars.world.questions import asked_attribute, asked_attributes
 from stages import curate, evaluate, index, sft, synthesize, world
 from tests.conftest import REPO, sh, sub_env
@@ -38,8 +38,8 @@ SPLITS = ("sft", "rl", "test")
 # questions): loss_first (mean of the first 10 steps) 5.385, loss_final (mean of the last 10) 0.0364; at 60 steps
 # the final loss was 0.64 and no episode was well formed. Well formed at 100 steps: 19/19 of the questions the teacher
 # solved (trained on), 4/7 of the others (their image search names a wrong entity: dialogues never seen), 23/26 = 0.885.
-# With phase 1 (profiles.smoke.sft: 100 steps on 400 drills, then 140 steps on 22 trajectories of 26 sft questions,
-# session 15): loss_first 3.184, loss_final 0.0104, well formed 22/22 solved and 25/26 of all sft questions.
+# With phase 1 (profiles.smoke.sft: 100 steps on 400 drills, then 140 steps on 22 trajectories of 26 sft questions):
+# loss_first 3.184, loss_final 0.0104, well formed 22/22 solved and 25/26 of all sft questions.
 LOSS_FINAL_MAX = 0.15
 
 
@@ -220,7 +220,7 @@ def test_sft_loss_trajectories_and_masks(trained):
     assert m["steps"] == b.fp.max_steps and m["resumed_from"] == 0
     assert m["loss_final"] < 0.1 * m["loss_first"], m
     assert m["loss_final"] < LOSS_FINAL_MAX, m
-    # phase 1 ran all its steps (no pretrain_target) and its last weights were scored on the held-out drills
+    # phase 1 ran all its steps and its last weights were scored on the held-out drills
     assert m["pretrain_steps_run"] == b.fp.pretrain_steps and 0.0 <= m["pretrain_check_copied"] <= 1.0
     traj = pq.read_table(b.tmp / "sft/trajectories.parquet").to_pylist()
     assert len(traj) == m["trajectories"] == m["examples"] and 0 < len(traj) <= b.fp.n_trajectories
@@ -305,10 +305,9 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
     with pytest.raises(ValueError, match=r"sft.locate_mix must be in \[0, 1\), got 1.0"):
         load_params("sft", sft.Params, write_params(tmp_path, "mix1", profile={"sft": {"locate_mix": 1.0}}))
     # with a block of their own the vision drills (localisation, zoom captions) are not phase 1's: it needs other data
-    only = {"pretrain_steps": 5, "pretrain_drills": 0, "pretrain_captions": 0, "pretrain_locate": 4, "locate_steps": 3,
+    only = {"pretrain_steps": 5, "pretrain_drills": 0, "pretrain_locate": 4, "locate_steps": 3,
             "pretrain_zoom_captions": 4}
-    with pytest.raises(ValueError, match="sft.pretrain_steps > 0 needs one of pretrain_captions, pretrain_drills, "
-                                         "pretrain_copy > 0"):
+    with pytest.raises(ValueError, match="sft.pretrain_steps > 0 needs one of pretrain_drills > 0"):
         load_params("sft", sft.Params, write_params(tmp_path, "only", profile={"sft": only}))
     q3 = load_params("sft", sft.Params, write_params(tmp_path, "q3", profile={"sft": {"arch": "qwen3_vl"}}))
     with pytest.raises(ValueError, match="sft.arch=qwen3_vl makes 32-px image tokens but agent.factor is 28"):
@@ -316,14 +315,11 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="sft.arch must be"):
         load_params("sft", sft.Params, write_params(tmp_path, "bad", profile={"sft": {"arch": "llava"}}))
-    with pytest.raises(ValueError, match=r"sft.drill_names must be one of \('new', 'world'\), got 'pool'"):
-        load_params("sft", sft.Params, write_params(tmp_path, "dn", profile={"sft": {"drill_names": "pool"}}))
-    with pytest.raises(ValueError, match=r"sft.trajectory_names must be one of \('real', 'new', 'world'\), got 'x'"):
-        load_params("sft", sft.Params, write_params(tmp_path, "tn", profile={"sft": {"trajectory_names": "x"}}))
-    with pytest.raises(ValueError, match=r"sft.pretokenizer must be one of \('words', 'trailing', 'bytelevel'\)"):
-        load_params("sft", sft.Params, write_params(tmp_path, "pt", profile={"sft": {"pretokenizer": "spaces"}}))
-    with pytest.raises(ValueError, match=r"sft.drill_chains must be in \[0, 1\], got 1.5"):
-        load_params("sft", sft.Params, write_params(tmp_path, "dc", profile={"sft": {"drill_chains": 1.5}}))
+    with pytest.raises(ValueError, match=r"sft.pretokenizer must be one of \('trailing', 'bytelevel'\)"):
+        load_params("sft", sft.Params, write_params(tmp_path, "pt", profile={"sft": {"pretokenizer": "words"}}))
+    # a knob measured not to help is gone: the usual unknown-key error, naming the nearest key
+    with pytest.raises(ParamsError, match="unknown key 'pretrain_lr'. Nearest valid key"):
+        load_params("sft", sft.Params, write_params(tmp_path, "gone", profile={"sft": {"pretrain_lr": 0.005}}))
     with pytest.raises(ValueError, match="group_batches and length_split must be >= 1, got 8, 1, 50, 0, 1"):
         load_params("sft", sft.Params, write_params(tmp_path, "gb", profile={"sft": {"group_batches": 0}}))
     with pytest.raises(ValueError, match="group_batches and length_split must be >= 1, got 8, 1, 50, 8, 0"):
@@ -387,37 +383,20 @@ def test_play_and_draw_takes_one_or_two_workers_only(tmp_path):
         sft.play_and_draw(params, None, {}, [], None, "S", None, workers=3)
 
 
-def test_sft_pretrain_lr_sets_phase_one_language_rate_only(tmp_path):
-    def params(**kw):
-        return load_params("sft", sft.Params, write_params(tmp_path, "plr", profile={"sft": kw}))
-
-    p = params(lr=0.002, vision_lr=0.001, pretrain_steps=30, pretrain_drills=8, pretrain_lr=0.005, max_steps=40)
-    pre, main = p.pretrain_config().optim, p.train_config().optim
-    assert (pre.lr, pre.vision_lr, pre.max_steps) == (0.005, 0.001, 30)
-    assert (main.lr, main.vision_lr, main.max_steps) == (0.002, 0.001, 40)
-    assert params(lr=0.003, pretrain_steps=30, pretrain_drills=8, pretrain_lr=0.0).pretrain_config().optim.lr == 0.003
-    with pytest.raises(ValueError, match="sft.pretrain_lr must be >= 0"):
-        params(pretrain_lr=-0.001)
-
-
-def test_sft_phase_batch_sizes_set_their_phase_only(tmp_path):
+def test_sft_phase_knobs_key_their_phase_and_the_later_ones(tmp_path):
     def params(**kw):
         return load_params("sft", sft.Params, write_params(tmp_path, "pbs", profile={"sft": kw}))
 
-    p = params(batch_size=16, pretrain_steps=30, pretrain_drills=8, pretrain_locate=16, locate_steps=10,
-               pretrain_batch_size=8, locate_batch_size=4)
-    assert (p.pretrain_config().batch_size, p.locate_config().batch_size, p.train_config().batch_size) == (8, 4, 16)
-    p = params(batch_size=12, pretrain_steps=30, pretrain_drills=8, pretrain_locate=16, locate_steps=10)
-    assert (p.pretrain_config().batch_size, p.locate_config().batch_size) == (12, 12)  # 0: the batch_size
-    with pytest.raises(ValueError, match="sft.locate_batch_size must be >= 0"):
-        params(locate_batch_size=-1)
+    p = params(batch_size=12, lr=0.003, pretrain_steps=30, pretrain_drills=8, pretrain_locate=16, locate_steps=10)
+    assert (p.pretrain_config().batch_size, p.locate_config().batch_size, p.train_config().batch_size) == (12, 12, 12)
+    assert p.pretrain_config().optim.lr == p.train_config().optim.lr == 0.003  # one rate, one batch size for all
     # each phase's own knobs enter its key and the later ones' only (stages.sft.phase_keys)
     keys = {k: sft.phase_keys(params(**{"batch_size": 16, k: v}), ("same",), {}) for k, v in
-            (("batch_size", 16), ("pretrain_batch_size", 4), ("locate_batch_size", 4), ("max_steps", 7))}
+            (("batch_size", 16), ("pretrain_steps", 4), ("locate_mix", 0.5), ("max_steps", 7))}
     base = sft.phase_keys(params(batch_size=16), ("same",), {})
     changed = {k: [p for p in sft.PHASES if v[p] != base[p]] for k, v in keys.items()}
-    assert changed == {"batch_size": [], "pretrain_batch_size": ["pretrain", "locate_frame", "locate", "train"],
-                       "locate_batch_size": ["locate_frame", "locate", "train"], "max_steps": ["train"]}
+    assert changed == {"batch_size": [], "pretrain_steps": ["pretrain", "locate_frame", "locate", "train"],
+                       "locate_mix": ["locate_frame", "locate", "train"], "max_steps": ["train"]}
     assert sft.phase_keys(params(), ("other",), {})["vision"] != sft.phase_keys(params(), ("same",), {})["vision"]
     with_block = sft.phase_keys(params(batch_size=16), ("same",), {"locate": ["d"]})
     assert [p for p in sft.PHASES if with_block[p] != base[p]] == ["locate", "train"]
@@ -454,18 +433,17 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
 
 def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     """A short run (4 steps of vision pre-training for reading and 4 for localisation, 8 pre-training steps on
-    captions and reading drills, 4 + 8 steps of the vision block's two stages (localisation drills and half, then
-    all the zoom captions; its stopping checks, of the frame, then of the frame and the read, asked at step 4, as
-    phase 1's copy check), then 16 steps, a checkpoint every
-    4): SIGKILLed once a checkpoint of the last phase exists, rerun, and compared with an uninterrupted in-process
-    run of the same params (a short run keeps this test cheap), with length-grouped batches and chain drills."""
+    reading drills, 4 + 8 steps of the vision block's two stages (localisation drills and half, then all the zoom
+    captions; its stopping checks, of the frame, then of the frame and the read, asked at step 4), then 16 steps, a
+    checkpoint every 4): SIGKILLed once a checkpoint of the last phase exists, rerun, and compared with an
+    uninterrupted in-process run of the same params (a short run keeps this test cheap), with length-grouped
+    batches."""
     b = built
-    short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_captions": 8,
-             "pretrain_drills": 16, "pretrain_locate": 8, "locate_steps": 8, "pretrain_zoom_captions": 4,
+    short = {"max_steps": 16, "checkpoint_every": 4, "warmup_steps": 2, "pretrain_steps": 8, "pretrain_drills": 16, "pretrain_locate": 8, "locate_steps": 8, "pretrain_zoom_captions": 4,
              "locate_target": 0.9, "locate_check_scenes": 8, "locate_answers": 0.5, "locate_read_target": 0.5,
-             "pretrain_target": 0.99, "pretrain_check_drills": 4, "pretrain_check_from": 4,
+             "pretrain_check_drills": 4,
              "mix_pretrain": 0.25, "locate_mix": 0.25, "vision_pretrain_steps": 4, "vision_pretrain_images": 16,
-             "vision_locate_steps": 4, "group_batches": 2, "drill_chains": 0.5, "vision_test_images": 24,
+             "vision_locate_steps": 4, "group_batches": 2, "vision_test_images": 24,
              "locate_frame_steps": 4, "locate_frame_captions": 2}
     params = write_params(tmp_path, "short", profile={"sft": short})
     fp = load_params("sft", sft.Params, params)
@@ -546,7 +524,7 @@ def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
     """Each phase's checkpoints are keyed by everything up to it (``sft.phase_keys``): rerun into the same
     directories with a phase-2 knob changed (``max_steps``), phases 0, 1 and the block are restored from their last
     checkpoints (the files untouched, their metrics the same) and phase 2 starts from their weights (its first loss,
-    taken before any update on the same first batch, equal); with a phase-1 knob changed (``pretrain_lr``) phase 0
+    taken before any update on the same first batch, equal); with a phase-1 knob changed (``pretrain_steps``) phase 0
     is kept and phase 1, the block and phase 2 train again; with the block's second stage's ``locate_steps``
     changed, its frame stage (``locate_frame_steps``) is kept. Phase 0's reading trains while the drills are drawn
     (``beside_drawing_s``), after the untrained model was saved: ``base/`` is the seed's fresh init."""
@@ -602,7 +580,7 @@ def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
             {k: v for k, v in after.items() if k.startswith(phase + "/")}, phase
     assert reread["locate_frame_loss_final"] == first["locate_frame_loss_final"] and reread["locate_steps_run"] == 6
     assert all(staged[k] != after[k] for k in after if k.startswith("locate/"))
-    relearnt, _ = run("relearnt", max_steps=12, pretrain_lr=0.001)
+    relearnt, _ = run("relearnt", max_steps=12, pretrain_steps=12)
     again = _states(out["checkpoints"])
     for phase in ("vision", "vision_locate"):
         assert {k: v for k, v in again.items() if k.startswith(phase + "/")} == \

@@ -1,83 +1,13 @@
-"""Gallery captions (the vision warm-up of the SFT mix): right answers, both formats, held-out entities never used."""
+"""Zoom captions (the localisation block's reading data): a new emblem at a zoom's scale, right answers, both formats."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 import numpy as np
 import pytest
-from PIL import Image
 
 from mars.agent.protocol import parse_turn
-from mars.synth.captions import caption_dialogues
-from mars.world.generate import WorldSpec, generate_world
 from mars.world.emblems import COLOUR_NAMES
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("captions")
-    tables = generate_world(WorldSpec.smoke(n_scenes=0, planted=False), root / "raw", root / "gallery", progress=False)
-    gallery = tables.gallery.to_pylist()
-    entities = tables.entities.to_pylist()
-    by_pixels = {}
-    for r in gallery:
-        with Image.open(root / "gallery" / r["path"]) as im:
-            by_pixels[hashlib.sha1(np.asarray(im.convert("RGB")).tobytes()).hexdigest()] = r["entity_id"]
-    return root, gallery, entities, by_pixels
-
-
-def _entity(image: Image.Image, by_pixels: dict) -> str:
-    return by_pixels[hashlib.sha1(np.asarray(image).tobytes()).hexdigest()]
-
-
-def test_captions_ask_about_the_rendered_emblem_and_answer_right(world):
-    root, gallery, entities, by_pixels = world
-    specs = {e["entity_id"]: json.loads(e["emblem"]) for e in entities if e["emblem"]}
-    held_out = sorted(specs)[:3]
-    dialogues = caption_dialogues(gallery, entities, root / "gallery", n=60, seed=0, exclude_entities=held_out)
-    assert len(dialogues) == 60
-    seen_attrs, n_mcq = set(), 0
-    for user, assistant in dialogues:
-        assert user["role"] == "user" and assistant["role"] == "assistant"
-        image, text = user["content"][0]["image"], user["content"][1]["text"]
-        ent = _entity(image, by_pixels)
-        assert ent not in held_out
-        turn = parse_turn(assistant["content"])
-        assert turn.action == "answer" and turn.well_formed
-        attr = ("colour" if text.startswith("What colour") else "shape" if text.startswith("What shape")
-                else "glyph" if text.startswith("Which letter") else "pattern")
-        assert "this emblem" in text and "red frame" not in text
-        seen_attrs.add(attr)
-        truth = COLOUR_NAMES[specs[ent]["fill"]] if attr == "colour" else str(specs[ent][attr])
-        if "\nA. " in text:  # multiple choice: the answer is the letter of the true value
-            n_mcq += 1
-            options = dict(line.split(". ", 1) for line in text.splitlines()[1:5])
-            assert options[turn.answer] == truth
-        else:
-            assert turn.answer == truth
-    assert seen_attrs == {"colour", "shape", "glyph", "pattern"}
-    assert 15 <= n_mcq <= 45  # mcq_share 0.5 of 60
-    # every eligible rendering is used once before any repeats
-    used = [_entity(u["content"][0]["image"], by_pixels) for u, _ in dialogues]
-    eligible = [r for r in gallery if r["entity_id"] not in held_out and r["entity_id"] in specs]
-    assert len(set(map(id, (u["content"][0]["image"] for u, _ in dialogues)))) == min(60, len(eligible))
-    assert set(used) <= {r["entity_id"] for r in eligible}
-
-
-def test_captions_are_seeded_and_fail_clearly(world):
-    root, gallery, entities, _ = world
-    a = caption_dialogues(gallery, entities, root / "gallery", n=10, seed=1)
-    b = caption_dialogues(gallery, entities, root / "gallery", n=10, seed=1)
-    c = caption_dialogues(gallery, entities, root / "gallery", n=10, seed=2)
-    texts = lambda ds: [(u["content"][1]["text"], x["content"]) for u, x in ds]  # noqa: E731
-    assert texts(a) == texts(b) and texts(a) != texts(c)
-    assert caption_dialogues(gallery, entities, root / "gallery", n=0) == []
-    with pytest.raises(ValueError, match="no gallery rendering left"):
-        caption_dialogues(gallery, entities, root / "gallery", n=5, exclude_entities={e["entity_id"] for e in entities})
-    with pytest.raises(ValueError, match=">= 0"):
-        caption_dialogues(gallery, entities, root / "gallery", n=-1)
+from mars.world.generate import WorldSpec
 
 
 def test_zoom_captions_show_a_new_emblem_at_the_zooms_scale():

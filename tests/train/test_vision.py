@@ -26,7 +26,18 @@ from mars.train.vision import (
     zoom_read_data,
 )
 from mars.world.generate import WorldSpec
-from stages.sft import Params
+from stages import sft
+
+# the sft knobs these tests build on: every optional phase off (params.yaml's sft section turns them on), so each
+# test names the phases it needs
+NO_PHASES = dict(vision_pretrain_steps=0, vision_locate_steps=0, pretrain_steps=0, pretrain_drills=0, pretrain_locate=0,
+                 pretrain_zoom_captions=0, locate_answers=0.0, locate_mix=0.0, locate_frame_steps=0,
+                 locate_frame_captions=0, locate_steps=0, locate_target=0.0, locate_read_target=0.0,
+                 locate_check_from=0, mix_pretrain=0.0, group_batches=1, compile=False)
+
+
+def Params(**knobs) -> sft.Params:  # noqa: N802  (reads as the dataclass it builds)
+    return sft.Params(**{**NO_PHASES, **knobs})
 
 
 @pytest.fixture(scope="module")
@@ -215,19 +226,14 @@ def test_locate_answers_reach_the_blocks_drills(stack):
     assert scenes(answered) == scenes(plain)  # the same scenes, the answers drawn apart
 
 
-def test_each_phase_has_its_own_batch_grouping_and_the_block_stays_shuffled():
-    """``group_batches`` is phase 2's, ``pretrain_group_batches`` phase 1's (grouped, phase 1's batches come in runs
-    of one drill kind: the SFT model copied less, run Q); the block keeps plain shuffled batches (grouping would
-    split its localisation drills from the shorter phase-1 drills)."""
+def test_phase_two_groups_its_batches_and_the_earlier_phases_stay_shuffled():
+    """``group_batches`` is phase 2's; phase 1 and the block keep plain shuffled batches (grouped, phase 1's batches
+    come in runs of one drill kind and the model copied less; the block's would split its localisation drills from
+    the shorter phase-1 drills)."""
     p = Params(group_batches=8, pretrain_steps=10, pretrain_drills=4, pretrain_locate=4, locate_steps=5)
     assert p.train_config().group_batches == 8
     assert p.pretrain_config().group_batches == 1
     assert p.locate_config().group_batches == 1
-    q = Params(group_batches=1, pretrain_group_batches=4, pretrain_steps=10, pretrain_drills=4)
-    assert (q.train_config().group_batches, q.pretrain_config().group_batches) == (1, 4)
-    with pytest.raises(ValueError, match="sft.pretrain_group_batches must be >= 1"):
-        Params(pretrain_group_batches=0, pretrain_steps=10, pretrain_drills=4)
-    assert Params(pretrain_steps=0).pretrain_group_batches == 1  # no phase 1: nothing else to check
 
 
 def test_locate_target_makes_the_block_stop_at_a_held_out_check():
@@ -299,10 +305,9 @@ def test_the_blocks_frame_stage_holds_its_drills_and_the_first_captions():
         Params(pretrain_locate=4, pretrain_zoom_captions=3, locate_steps=5, locate_frame_captions=1)
 
 
-def test_pretrain_target_gives_phase_one_a_copy_check():
-    """Phase 1's held-out drills get a :class:`mars.synth.drills.CopyCheck`: with ``pretrain_target`` > 0 a stopping
-    check asked from ``pretrain_check_from``, with 0 one that is never asked during training (the stage scores the
-    last weights with it); no drills, no check; knobs that cannot work are errors."""
+def test_phase_one_gets_a_held_out_copy_score():
+    """Phase 1's held-out drills get a :class:`mars.synth.drills.CopyCheck` that scores the last weights (never a
+    stopping rule: nothing to ask during training); no drills, no score."""
     from mars.synth.drills import CopyCheck
     from stages.sft import copy_check
     from tests.model.test_model import tiny_stack
@@ -310,17 +315,8 @@ def test_pretrain_target_gives_phase_one_a_copy_check():
     _, proc, _ = tiny_stack()
     drills = [[{"role": "user", "content": [{"type": "text", "text": "q"}]},
                {"role": "assistant", "content": "<think>t</think><answer>a</answer>"}]] * 3
-    p = Params(pretrain_steps=10, pretrain_drills=4, pretrain_target=0.8, pretrain_check_from=6)
-    check = copy_check(p, proc, drills)
-    assert isinstance(check, CopyCheck) and (len(check.prompts), check.target, check.min_step) == (3, 0.8, 6)
-    scored = copy_check(Params(pretrain_steps=10, pretrain_drills=4), proc, drills)
-    assert scored.target == 0.0 and scored(None, 100) is False and scored.history == []  # never asked: no model needed
-    assert copy_check(p, proc, []) is None
-    with pytest.raises(ValueError, match=r"sft.pretrain_target must be in \[0, 1\]"):
-        Params(pretrain_steps=10, pretrain_drills=4, pretrain_target=1.5)
-    with pytest.raises(ValueError, match="sft.pretrain_target > 0 checks phase 1's copying"):
-        Params(pretrain_steps=10, pretrain_captions=4, pretrain_target=0.5)
-    with pytest.raises(ValueError, match="sft.pretrain_target > 0 checks phase 1's copying"):
-        Params(pretrain_steps=10, pretrain_drills=4, pretrain_target=0.5, pretrain_check_drills=0)
-    with pytest.raises(ValueError, match="sft.pretrain_check_drills and sft.pretrain_check_from must be >= 0"):
-        Params(pretrain_steps=10, pretrain_drills=4, pretrain_check_from=-1)
+    check = copy_check(proc, drills)
+    assert isinstance(check, CopyCheck) and len(check.prompts) == 3 and not callable(check)
+    assert copy_check(proc, []) is None
+    with pytest.raises(ValueError, match="sft.pretrain_check_drills must be >= 0"):
+        Params(pretrain_steps=10, pretrain_drills=4, pretrain_check_drills=-1)

@@ -365,25 +365,13 @@ def test_corpus_states_the_facts_of_every_entity(world) -> None:
                 assert fact in d["text"], (fact, d["text"])
 
 
-def test_plain_corpus_puts_each_fact_after_its_cue_and_varied_is_unchanged() -> None:
-    import re
-
-    from mars.world.generate import corpus_rows, make_entities
+def test_documents_are_the_seeded_varied_wording() -> None:
     from mars.world.text import Facts, entity_documents
 
     facts = Facts(kind="institute", founded_year=1846, city="Thimhaven", founder="Arir Ionubruth")
-    docs = entity_documents(np.random.default_rng(3), "Olath Institute", facts, 12, "plain")
-    assert len({text.split(";")[0] for _, text in docs}) == 4  # all four templates in use
-    for _, text in docs:
-        assert re.search(r"founded in 1846\b", text) and "in the city of Thimhaven" in text, text
-        assert "its founder was Arir Ionubruth" in text, text
-        # the cues appear once each in the fact sentence(s): no second year, city or founder cue to confuse
-        head = text.split(" Its archive")[0]
-        assert head.count("founded in") == 1 and head.count("city of") == 1 and head.count("founder was") == 1
-    # the varied style is the default and gives the documents it gave before the plain style existed (these
-    # three were printed by mars/world/text.py of commit 6f348da with the same seed)
+    # the documents the generator has always given (printed by mars/world/text.py of commit 6f348da, same seed)
     a = entity_documents(np.random.default_rng(3), "Olath Institute", facts, 3)
-    b = entity_documents(np.random.default_rng(3), "Olath Institute", facts, 3, "varied")
+    b = entity_documents(np.random.default_rng(3), "Olath Institute", facts, 3)
     assert a == b == [
         ("Olath Institute", "Olath Institute (institute, Thimhaven) was founded in 1846; the founder was Arir "
                             "Ionubruth."),
@@ -394,45 +382,6 @@ def test_plain_corpus_puts_each_fact_after_its_cue_and_varied_is_unchanged() -> 
                                       "Thimhaven. A small exhibition tells its story to visitors. The institute "
                                       "published its first report a few years later."),
     ]
-    with pytest.raises(ValueError, match="unknown corpus style 'terse'"):
-        entity_documents(np.random.default_rng(0), "X", facts, 1, "terse")
-    with pytest.raises(ValueError, match=r"WorldSpec: corpus_style must be one of \['plain', 'single', 'varied'\]"):
-        WorldSpec.smoke(corpus_style="terse")
-    spec = WorldSpec.smoke(corpus_style="plain")
-    rows = corpus_rows(spec, make_entities(spec))
-    assert rows and all("its founder was" in r["text"] for r in rows)
-
-
-def test_single_corpus_style_states_one_fact_per_document_and_the_query_finds_it() -> None:
-    """``single``: document j states fact j mod 3 and nothing else (no filler names a city or a founder), so the
-    teacher's query "<name> <keyword>" (mars.agent.oracle.FACT_KEYWORD) ranks the asked fact's document first."""
-    from mars.agent.oracle import FACT_KEYWORD
-    from mars.tools.text_index import TextIndex
-    from mars.world.generate import corpus_rows, make_entities
-    from mars.world.text import Facts, entity_documents
-
-    facts = Facts(kind="institute", founded_year=1846, city="Thimhaven", founder="Arir Ionubruth")
-    docs = entity_documents(np.random.default_rng(3), "Olath Institute", facts, 4, "single")
-    assert [t for t, _ in docs] == ["Olath Institute", "Olath Institute - overview", "Olath Institute - history",
-                                    "Olath Institute - profile"]
-    assert docs[0][1].startswith("Olath Institute was founded in 1846.")
-    assert docs[1][1].startswith("Olath Institute is an institute in the city of Thimhaven.")
-    assert docs[2][1].startswith("Olath Institute is an institute; its founder was Arir Ionubruth.")
-    for _, text in docs:  # exactly one of the three facts in each
-        assert sum(v in text for v in ("1846", "Thimhaven", "Arir Ionubruth")) == 1, text
-    with pytest.raises(ValueError, match="corpus_style single states one fact per document: docs_per_entity must "
-                                         "be >= 3"):
-        WorldSpec.smoke(corpus_style="single", docs_per_entity=2)
-    spec = WorldSpec.smoke(corpus_style="single", docs_per_entity=3)
-    ents = make_entities(spec)
-    rows = corpus_rows(spec, ents)
-    index = TextIndex.build(pa.Table.from_pylist(rows, schema=CORPUS))
-    values = {"founded_year": lambda e: str(e.facts.founded_year), "city": lambda e: e.facts.city,
-              "founder": lambda e: e.facts.founder}
-    top = [index.search(f"{e.name} {kw}", k=1)[0] for e in ents for fact, kw in FACT_KEYWORD.items()]
-    want = [(e.name, values[fact](e)) for e in ents for fact in FACT_KEYWORD]
-    right = sum(h.title.split(" - ")[0] == name and value in h.text for h, (name, value) in zip(top, want))
-    assert right == len(want), f"{right} of {len(want)} queries found the asked fact's document first"
 
 
 def _one_letter_apart(a: str, b: str) -> bool:

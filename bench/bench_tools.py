@@ -22,7 +22,8 @@ What it does
     idle machine.
 
 Deviation from the paper
-    The paper's tools call web APIs (seconds per call); ours search an offline world (DESIGN.md section 3).
+    The paper's tools call web APIs (seconds per call); ours search an offline world (docs/design.md, The
+    embedded default world).
 
 How to run
     python bench/bench_tools.py                  # 200 calls per tool and view size

@@ -2,8 +2,8 @@
 
 What it measures
     The localisation block of the sft stage (``sft.locate_steps``) has to teach the tiny model to zoom on the red
-    frame's cell; whether it did varies between runs (README, Results: 30-79 of 80 test scenes framed with the same
-    block). This probe scores any checkpoint directory, and optionally the training states the sft stage leaves
+    frame's cell; whether it did varies between runs (docs/findings.md: 30-79 of 80 test scenes framed with the
+    same block). This probe scores any checkpoint directory, and optionally the training states the sft stage leaves
     (``data/sft_ckpt/locate/step-*/state.pt`` after the block, ``data/sft_ckpt/step-*/state.pt`` in phase 2),
     on ``--n`` held-out localisation drills (:func:`mars.synth.locate.locate_dialogues` with another seed than
     training: new scenes with the world's grid, frame and clutter, the episodes' system prompt): greedy first turn,
@@ -15,8 +15,9 @@ With ``--read`` it also scores reading apart from finding: ``--n`` answered perc
 whose greedy answer is the teacher's; ``--attributes`` picks what they ask (the synthesize stage's
 ``perception_attributes``; all by default).
 
-Finding (README, Results, session 13): run I's block checkpoint framed 37 of 80 and its SFT checkpoint 39: the
-block had missed the phase change, and phase 2 did not erase localisation; run G's agentic first zoom was 75 of 80.
+Finding (docs/findings.md): the checkpoint of a block that missed the phase change framed 37 of 80 and the SFT
+checkpoint after it 39, so phase 2 did not erase localisation; after a block that crossed it the agentic first zoom
+was 75 of 80.
 
 Run (in a pipeline's working directory, after ``dvc repro`` reached sft)::
 

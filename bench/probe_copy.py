@@ -2,7 +2,7 @@
 
 What it measures
     The SFT model's search chain breaks at its last link: with the answer in the text-search result, it writes
-    the value right in a fifth of the episodes or fewer (README, Results), while phase 1's fact drills (the same
+    the value right in a fifth of the episodes or fewer (docs/findings.md), while phase 1's fact drills (the same
     kind of observation, the question right after it, no image, no earlier turn) teach that read. This probe
     separates the causes on one checkpoint. The scripted teacher (skill 1) plays the split's search and multi-hop
     questions through the real tools; for every episode it answered right, the checkpoint writes the answer turn
@@ -20,9 +20,9 @@ What it measures
 
     With ``--types perception`` the same three contexts score the read of the zoom given a right first zoom: the
     teacher's episode is the question image, its zoom on the framed zone and the crop, so ``episode`` against ``no
-    images`` separates reading the crop from guessing a likely value (session 22, README: run P1's SFT model wrote
-    the asked colour in 24 of 40 such episodes, 8 of 40 without the images, while its own first zoom framed the
-    target in 25% of the test scenes).
+    images`` separates reading the crop from guessing a likely value (docs/findings.md: an SFT model taught the
+    colour with 4,000 zoom captions wrote the asked colour in 24 of 40 such episodes, 8 of 40 without the images,
+    while its own first zoom framed the target in 25% of the test scenes).
 
 Not a speed benchmark: the numbers are shares of episodes (deterministic for a checkpoint and split).
 

@@ -4,7 +4,7 @@ What it measures
     Before phase 0 the sft stage plays the teacher over the sft split and draws phase 1's reading drills (with the
     check drills) and the localisation block's drills and zoom captions (:func:`stages.sft.play_and_draw`); all
     three are mostly single-threaded Python. The stage has one worker draw both parts in turn beside the teacher
-    (two at once in session 24: no shorter on two cores in a pipeline run, README session 25). This benchmark
+    (two at once were no shorter on two cores in a pipeline run: docs/findings.md). This benchmark
     runs both on the same data, in the same run:
     ``1 worker`` (the baseline) and ``2 workers``, each timed from the start to the last part drawn, with the
     teacher's own seconds and the wait after it (``drills_wait_s``), and checks that both drew the same dialogues

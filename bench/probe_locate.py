@@ -1,16 +1,16 @@
 """Learnability probe: can the tiny vision tower find the framed cell, and at which vision learning rate?
 
 What it measures
-    The default world's perception cue is a red frame around one cell of a 2 x 2 grid (DESIGN.md section 3). This
-    probe isolates the vision side of that skill: the tiny model's vision tower and projector (``tiny_config``,
-    random init, ``sft.arch``'s architecture) feed one learned attention read-out (a query over the merged image
-    tokens, standing in for the language model's attention to the image) and a 4-way linear head; AdamW trains them
-    on localisation drill images (:func:`mars.synth.locate.locate_dialogues`, a new scene per drill, the world's
-    grid, frame, clutter and target zone, the policy's 224-px view) with cross-entropy on the framed cell. Reported:
-    held-out accuracy on scenes drawn with another seed, for each vision learning rate, against the baseline of the
-    previous default (0.01) measured in the same run.
+    The default world's perception cue is a red frame around one cell of a 2 x 2 grid (docs/design.md, The embedded
+    default world). This probe isolates the vision side of that skill: the tiny model's vision tower and projector
+    (``tiny_config``, random init, ``sft.arch``'s architecture) feed one learned attention read-out (a query over the
+    merged image tokens, standing in for the language model's attention to the image) and a 4-way linear head; AdamW
+    trains them on localisation drill images (:func:`mars.synth.locate.locate_dialogues`, a new scene per drill, the
+    world's grid, frame, clutter and target zone, the policy's 224-px view) with cross-entropy on the framed cell.
+    Reported: held-out accuracy on scenes drawn with another seed, for each vision learning rate, against the baseline
+    of the previous default (0.01) measured in the same run.
 
-Finding (README, Results)
+Finding (docs/findings.md)
     At 0.01 the tower never leaves chance (25%); at 1e-3 .. 3e-3 it reaches 100% of held-out scenes in about 100-150
     steps at batch 16. That is why ``sft.vision_lr`` is no longer 5x the language model's rate.
 

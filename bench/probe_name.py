@@ -1,20 +1,20 @@
 """Naming probe: can a checkpoint's language model learn to name what its vision tower sees in a zoom?
 
 What it measures
-    Session 15 (README, Results) found the tiny SFT model answering colour questions with one word whatever the
-    crop ("blue" for open questions, "C" for multiple choice), although its vision tower, after phase 0, read the
-    fill colour of half the held-out crops. This probe asks whether the language model can learn the mapping from
-    the zoom's image tokens to the attribute's word with dedicated practice, and how many steps it takes: starting
-    from a checkpoint directory, it trains the whole model (rates ``sft.lr`` and ``sft.vision_lr``, batch
-    ``sft.batch_size``, constant rate) on ``--train`` open zoom captions (:func:`mars.synth.captions.zoom_captions`:
-    a new random emblem at the zoom's scale of the world in ``--params``, asking only ``--attributes``) and, at each
-    of ``--eval-at`` steps, answers ``--test`` held-out captions of another seed greedily. Reported per attribute:
-    the share answered right, the share of the most frequent answer (1.0 = one word for every crop) and chance.
+    A 4-head SFT model asked colour questions (docs/findings.md) answered them with one word whatever the crop ("blue"
+    for open questions, "C" for multiple choice), although its vision tower, after phase 0, read the fill colour of half
+    the held-out crops. This probe asks whether the language model can learn the mapping from the zoom's image tokens to
+    the attribute's word with dedicated practice, and how many steps it takes: starting from a checkpoint directory, it
+    trains the whole model (rates ``sft.lr`` and ``sft.vision_lr``, batch ``sft.batch_size``, constant rate) on
+    ``--train`` open zoom captions (:func:`mars.synth.captions.zoom_captions`: a new random emblem at the zoom's scale
+    of the world in ``--params``, asking only ``--attributes``) and, at each of ``--eval-at`` steps, answers ``--test``
+    held-out captions of another seed greedily. Reported per attribute: the share answered right, the share of the most
+    frequent answer (1.0 = one word for every crop) and chance.
 
-Finding (README, Results, session 15): from run L's SFT checkpoint (tower pre-trained to read colour, phase 0),
-1,000 colour captions at the sft rates: colour named right in 5.3% of held-out crops (one word for 75% of them),
-30.0% after 200 steps, 30.7% after 400, 62.7% after 800 (chance 6.2%). The language model can learn the mapping;
-the cold start's few perception trajectories do not teach it.
+Finding (docs/findings.md): from an SFT checkpoint whose tower was pre-trained to read colour (phase 0), 1,000 colour
+captions at the sft rates: colour named right in 5.3% of held-out crops (one word for 75% of them), 30.0% after 200
+steps, 30.7% after 400, 62.7% after 800 (chance 6.2%). The language model can learn the mapping; the cold start's few
+perception trajectories do not teach it.
 
 Not a speed benchmark: the numbers are accuracies after a number of steps (deterministic for a seed).
 

@@ -14,23 +14,22 @@ What it measures
     pattern; chance 1/16, 1/8, 1/24, 1/7) for each tower (``HIDDENxLAYERS``), view side and learning rate, against the
     first configuration measured in the same run.
 
-Finding (README, Results)
-    At ``sft.vision_lr`` (2e-3) neither the default tower (96x2) nor a 5x larger one (192x4) leaves chance in 800
-    steps, nor does the default tower in 500 steps with the emblem filling the zoom (``--target-zone 0.12``). At
-    5e-4 the tower learns shape and pattern after a phase change of hundreds of steps (2,000 steps,
-    ``--target-zone 0.15``, which ``WorldSpec`` now rejects as too small for the world's targets: shape 38%,
-    pattern 35%); the 24 letters stay at chance. Hence phase 0's rate. The fill colour (session 15) is the one
-    attribute read at 2e-3: 22.5% of held-out crops after 300 steps at the default zone (12% at 5e-4), 51% at
-    ``--target-zone 0.18`` with a colour head alone.
+Finding (docs/findings.md; emblems 0.05 of the scene's short side)
+    At ``sft.vision_lr`` (2e-3) neither the default tower (96x2) nor a 5x larger one (192x4) leaves chance in 800 steps,
+    nor does the default tower in 500 steps with the emblem filling the zoom (``--target-zone 0.12``). At 5e-4 the tower
+    learns shape and pattern after a phase change of hundreds of steps (2,000 steps, ``--target-zone 0.15``, which
+    ``WorldSpec`` now rejects as too small for the world's targets: shape 38%, pattern 35%); the 24 letters stay at
+    chance. Hence phase 0's rate. The fill colour is the one attribute read at 2e-3: 22.5% of held-out crops after 300
+    steps at the default zone (12% at 5e-4), 51% at ``--target-zone 0.18`` with a colour head alone.
 
 Not a speed benchmark: the numbers are accuracies after a fixed number of steps (deterministic for a seed); the
 seconds column says what each tower costs.
 
-Session 22 (README, Results): with the emblem 2.4x larger in the world (``--emblem-frac 0.12``, about 100 px in the
-zoom's view), 1,200 steps at 5e-4 on 2,000 crops read the colour of 75% of held-out crops, the pattern 29%, the shape
-16%, the letter 1% (at the default 0.05: 58%, 13%, 0%, 11%); a data-dependent patch embedding (``--patch-init
-pca``: the tower's first layer set to the whitened principal components of the training crops' patches) reads no
-better held out (colour 42%, shape 16%, letter 2%, pattern 6% at 0.05).
+With the emblem 2.4x larger in the world (``--emblem-frac 0.12``, now the world's default; about 100 px in the zoom's
+view), 1,200 steps at 5e-4 on 2,000 crops read the colour of 75% of held-out crops, the pattern 29%, the shape 16%, the
+letter 1% (at 0.05: 58%, 13%, 0%, 11%; docs/findings.md); a data-dependent patch embedding (``--patch-init pca``: the
+tower's first layer set to the whitened principal components of the training crops' patches) reads no better held out
+(colour 42%, shape 16%, letter 2%, pattern 6% at 0.05).
 
 Run: ``python bench/probe_read.py [--towers 96x2 192x4] [--views 224 448] [--lrs 0.002 0.0005] [--steps 2000]
 [--train 4000] [--test 400] [--target-zone 0.4] [--emblem-frac 0.05] [--patch-init random] [--arch qwen2_5_vl]``

@@ -3,7 +3,7 @@
 What it measures
     The sft stage's localisation block (``sft.locate_steps``) teaches the tiny model's first zoom through the
     language model's loss, and whether its random-init tower found the red frame that way varied between runs
-    (README, Results). Phase 0's localisation half (``sft.vision_locate_steps``; :func:`stages.sft.vision_locate`)
+    (docs/findings.md). Phase 0's localisation half (``sft.vision_locate_steps``; :func:`stages.sft.vision_locate`)
     teaches the tower the framed cell directly before the block. This probe replays the block from a pipeline's
     phase-1 state (``data/sft_ckpt/pretrain/step-*/state.pt``: the language model after the text-only pre-training
     phase, which never touches the vision tower) with the untrained tower of ``data/sft/base``, twice per block
@@ -13,7 +13,7 @@ What it measures
     localisation drills (:func:`mars.synth.locate.framed_count`: new scenes, greedy first turn, the zoom's cell
     against the teacher's).
 
-Finding (README, Results, session 14): from run J's phase-1 state, 300 block steps alone framed 24 and 23 of 80
+Finding (docs/findings.md): from one pipeline's phase-1 state, 300 block steps alone framed 24 and 23 of 80
 held-out scenes (chance 20) with block seeds 0 and 1; after 150 tower steps (held-out cell 99%) the block framed 80
 of 80 by step 200 with both.
 

@@ -1,8 +1,9 @@
 """The ``mars_pipeline`` Prefect flow: runs the DVC stages in DAG order, one task per stage.
 
 DVC owns the DAG, caching and lineage; this flow owns scheduling, observability and
-parameterised runs (DESIGN.md section 7). For each stage (the requested subset plus every
-stage it needs, in topological order) one Prefect task named after the stage:
+parameterised runs (docs/design.md, Stages and their contracts). For each stage (the
+requested subset plus every stage it needs, in topological order) one Prefect task named
+after the stage:
 
 - without overrides: asks ``dvc status <stage>``; a stage DVC finds up to date finishes as a
   Completed state named ``Skipped``; otherwise ``dvc repro --single-item <stage>`` runs it

@@ -13,7 +13,8 @@ of the entity's own documents in the top k; ``image_recall_at_k``: every held-ou
 either falls below its ``min_*`` param, leaving the previous indexes in place.
 
 Deviation from the paper: MARS searches the live web and Wikipedia; we search the offline
-world (DESIGN.md section 3), with tantivy or a web API as the scale-up path (section 8).
+world (docs/design.md, The embedded default world), with tantivy or a web API as the scale-up path
+(docs/design.md, The scale path).
 
 Run: ``python -m stages.index --entities data/world/entities.parquet --corpus data/world/corpus.parquet --gallery
 data/world/gallery.parquet --gallery-dir data/world/gallery --out data/index

@@ -16,9 +16,9 @@ The trainer trains exactly the token ids the policy sampled, with log-probs at t
 Deviation: the embedded default trains the vision tower too (``freeze_vision: false``), as in SFT; pretrained
 checkpoints freeze it (the release does). Rollouts run in process; for GPU runs point ``rollout_base_url`` at a
 vLLM (or ``mars serve``) server: after every update the stage saves the weights and calls the server's
-``/v1/reload`` (``mars serve`` implements it; for vLLM use its weight-update endpoint, see the README). The
-server is asked for each sampled token's id and log-prob (``logprobs``, ``return_tokens_as_token_ids``); run vLLM
-with ``--logprobs-mode processed_logprobs`` so they are at the sampling temperature.
+``/v1/reload`` (``mars serve`` implements it; for vLLM's weight-update endpoints see docs/design.md, The scale
+path). The server is asked for each sampled token's id and log-prob (``logprobs``, ``return_tokens_as_token_ids``);
+run vLLM with ``--logprobs-mode processed_logprobs`` so they are at the sampling temperature.
 
 Run: ``python -m stages.rl --questions data/synthesize/questions.parquet --image-root data/synthesize
 --world-dir data/world --index-dir data/index --sft data/sft --out data/rl --checkpoints data/rl_ckpt

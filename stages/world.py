@@ -1,7 +1,7 @@
 """The ``world`` stage: the offline stand-in for the web, Wikipedia and 4K news photos.
 
-Generates, from ``base.seed``, the embedded default world of DESIGN.md section 3
-(:mod:`mars.world`): entities with emblems and facts, the text corpus, the image-search
+Generates, from ``base.seed``, the embedded default world (docs/design.md, The embedded default
+world; :mod:`mars.world`): entities with emblems and facts, the text corpus, the image-search
 gallery, and a raw image pool of high-resolution scenes (plus planted curation traps) with
 their world truth. ``source`` picks where the raw pool comes from:
 
@@ -15,9 +15,9 @@ Entities, corpus and gallery are generated for every source. Outputs go to one d
 replaces the previous one atomically only when everything passed.
 
 Deviation from the paper: the paper's images are real 4K news photos and its knowledge the
-live web; ours are generated so every step's ground truth is known (DESIGN.md section 3).
-``folder`` / ``urls`` paths are params (user-provided data), not dvc.yaml deps: rerun with
-``dvc repro -f world`` after changing the folder's contents.
+live web; ours are generated so every step's ground truth is known (docs/design.md, The
+embedded default world). ``folder`` / ``urls`` paths are params (user-provided data), not
+dvc.yaml deps: rerun with ``dvc repro -f world`` after changing the folder's contents.
 
 Run: ``python -m stages.world --out data/world --metrics data/metrics/world.json``.
 """

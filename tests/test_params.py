@@ -187,3 +187,23 @@ def test_typo_fails_before_any_work(toy_repo):
     assert proc.returncode != 0
     assert "unknown key 'seeed'. Nearest valid key: 'seed' (expects int)" in proc.stdout + proc.stderr
     assert not (toy_repo / "out").exists()  # no stage wrote anything
+
+
+REMOVED = [("sft", "pretrain_copy", 4000), ("sft", "drill_chains", 0.5), ("sft", "trajectory_names", "new"),
+           ("sft", "drill_names", "world"), ("sft", "pretrain_captions", 1500), ("sft", "pretrain_target", 0.75),
+           ("sft", "pretrain_check_from", 1000), ("sft", "split_digits", True), ("sft", "pretrain_lr", 0.005),
+           ("sft", "pretrain_batch_size", 8), ("sft", "locate_batch_size", 8), ("sft", "pretrain_group_batches", 8),
+           ("world", "corpus_style", "plain"), ("rl", "estimator", "grpo"), ("rl", "level", "token")]
+
+
+@pytest.mark.parametrize("section,key,value", REMOVED, ids=[f"{s}.{k}" for s, k, _ in REMOVED])
+def test_a_knob_measured_not_to_help_is_an_unknown_key(tmp_path, section, key, value):
+    """The knobs removed with their code (docs/findings.md) fail like any typo, with the nearest valid key."""
+    import yaml
+
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    doc[section][key] = value
+    path = write(tmp_path, yaml.safe_dump(doc))
+    unknown = rf"\[{section}, profile default\]: unknown key '{key}'. Nearest valid key: '\w+'"
+    with pytest.raises(ParamsError, match=unknown):
+        load_params(section, _section_classes()[section], path)

@@ -46,8 +46,9 @@ Sampled tokens
 
 Token accounting
     The budget counts GENERATED tokens only (tool outputs are masked out of the loss and do not count in GSPO's
-    |y|, DESIGN.md section 4): ``len(token_ids)`` when the backend returns them, else ``ceil(len(text) / 4)``.
-    The budget is checked after each turn, so an episode can overshoot it by less than one turn.
+    |y|, docs/design.md, The agent protocol): ``len(token_ids)`` when the backend returns them, else
+    ``ceil(len(text) / 4)``. The budget is checked after each turn, so an episode can overshoot it by less than one
+    turn.
     ``token_ids`` / ``logprobs`` of a trajectory are the concatenation over its turns, kept only when every turn
     had them; ``turn_tokens`` holds each turn's count, so per-turn boundaries can be recovered.
 

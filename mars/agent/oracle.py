@@ -33,8 +33,8 @@ Command
 
 Deviation
     The paper's cold-start trajectories come from a strong model (an imperfect teacher); this oracle is perfect by
-    construction. A skill knob (wrong cell / near-miss query some share of the time) is future work for the SFT
-    teacher (DESIGN.md section 3).
+    construction. The imperfect SFT teacher, with a skill knob (wrong cell / near-miss query some share of the
+    time), is :mod:`mars.agent.teacher` (docs/training.md, SFT).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def zone_zoom_box(truth_row: dict, cell: tuple[int, int] | None = None) -> list[
 
     The world places the target inside this box (:func:`mars.world.scenes.zone_box`), so zooming on the framed
     cell's zone is a choice among ``grid_rows * grid_cols`` fixed boxes: what a tiny model can learn, unlike
-    regressing the emblem's exact box from pixels (DESIGN.md section 3).
+    regressing the emblem's exact box from pixels (docs/design.md, The embedded default world).
     """
     from mars.world.scenes import zone_box
 

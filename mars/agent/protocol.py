@@ -1,6 +1,6 @@
 """The agent's turn protocol: prompt rendering, a tolerant turn parser and the formatters a scripted teacher uses.
 
-Conventions (those of the reference release, so released checkpoints keep working; DESIGN.md section 4):
+Conventions (those of the reference release, so released checkpoints keep working; docs/design.md, The agent protocol):
 
 - every assistant turn is ``<think>...</think>`` followed by exactly one action, either
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` or ``<answer>...</answer>``;

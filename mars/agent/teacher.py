@@ -12,15 +12,15 @@ What it does
       emblem's fill colour / shape / letter / pattern;
     - the zoom's ``<think>`` names what the question asks and the plan, and its ``label`` (:data:`ZOOM_LABEL`,
       echoed by the tool's observation right before the crop) differs by type: "framed region" before a
-      perception answer, "emblem to search" before a multi-hop image search. Without that, the SFT model
-      of session 17's run U answered every multi-hop question after its zoom as if it were a perception question
-      (no image search in 240 multi-hop episodes of its own training split; README, Results);
+      perception answer, "emblem to search" before a multi-hop image search. Without that, an SFT model on
+      length-grouped batches answered every multi-hop question after its zoom as if it were a perception question
+      (no image search in 240 multi-hop episodes of its own training split; docs/findings.md);
     - search: ``image_search(img_idx=0)``, then ``text_search("<top-1 title's name> <fact keyword>")``, then the fact
       read from the snippet titled with that name (no snippet with it: an unsupported guess, which the judge then
       rejects);
     - multi-hop: zoom, ``image_search`` on the crop, ``text_search``, answer, as above.
 
-    The skill knob (DESIGN.md section 3: "the scripted teacher has a skill knob"): with probability ``1 - skill``
+    The skill knob (``sft.teacher_skill``; docs/training.md, SFT): with probability ``1 - skill``
     per decision the teacher makes a plausible mistake, then recovers: it zooms on the centre of ANOTHER cell
     first, looks at the crop, says the frame is not there and zooms again; or it sends a
     near-miss query (the name without the fact keyword, or the second image-search title) and searches again.
@@ -32,8 +32,8 @@ Deviation
     The paper's teacher is a strong VLM; ours is scripted over a generated world. Its "eyes" (which cell is
     framed, the emblem's attributes) come from world truth; everything else comes from observations. It zooms
     on the framed cell's centre rather than the emblem's exact box (as a VLM teacher would): a 4-way choice the
-    tiny student can learn, where regressing exact boxes from pixels was not (DESIGN.md section 3; the README's
-    SFT notes).
+    tiny student can learn, where regressing exact boxes from pixels was not (docs/design.md, The embedded default
+    world; docs/findings.md).
 
 How to run (Python)::
         backend = scripted_backend(questions, lambda q: teacher_policy(q, world, skill=0.8, seed=0), world_dir)

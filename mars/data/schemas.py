@@ -1,9 +1,9 @@
 """Arrow schemas of every artifact the pipeline writes, declared once.
 
-Each artifact named in DESIGN.md section 2 has exactly one schema here; stages pass
-these objects to :func:`mars.data.io.write_table` / :func:`mars.data.io.read_table`
-and the quality suites in :mod:`mars.data.suites` are keyed by the same names.
-Columns marked ``nullable=False`` must never hold nulls.
+Each artifact named in docs/design.md, Stages and their contracts, has exactly one schema
+here; stages pass these objects to :func:`mars.data.io.write_table` /
+:func:`mars.data.io.read_table` and the quality suites in :mod:`mars.data.suites` are
+keyed by the same names. Columns marked ``nullable=False`` must never hold nulls.
 
 Run ``python -m mars.data.schemas`` to print every schema.
 """

@@ -257,12 +257,12 @@ def answer_form(results: pa.Table, questions: dict[str, dict]) -> dict:
     """Accuracy by the question's answer form, per ``"model/workflow"``, over the result rows of the pipeline's
     questions (``questions``: question id -> QUESTIONS row; a non-empty ``choices`` makes it multiple choice):
     ``{"by_form": {"open": share correct, "choice": share correct}, "letter_on_open": share of the open questions
-    answered with a bare option letter (always wrong: they list no options; questions whose answer is itself a
-    letter, an emblem's glyph, are left out of this share), "letter_on_choice": share of the multiple-choice ones
-    answered with one}``. A multiple-choice question can be answered right by a guessed letter (one in four here),
-    an open one only by the value read and written, so the open share is the cleaner measure of reading (README,
-    session 20). A bare letter is one the rule judge reads as the whole answer (:func:`mars.rl.judge.bare_choice`,
-    A-D). A form without questions in the run is left out; so is a run without any."""
+    answered with a bare option letter (always wrong: they list no options; questions whose answer is itself a letter,
+    an emblem's glyph, are left out of this share), "letter_on_choice": share of the multiple-choice ones answered with
+    one}``. A multiple-choice question can be answered right by a guessed letter (one in four here), an open one only by
+    the value read and written, so the open share is the cleaner measure of reading (docs/findings.md). A bare letter is
+    one the rule judge reads as the whole answer (:func:`mars.rl.judge.bare_choice`, A-D). A form without questions in
+    the run is left out; so is a run without any."""
     from mars.rl.judge import bare_choice
 
     counts: dict[str, dict[str, list[int]]] = {}

@@ -3,24 +3,24 @@ checkpoint.
 
 What it does
     :func:`tiny_config` returns a ``Qwen2_5_VLConfig`` (``arch="qwen2_5_vl"``) or a ``Qwen3VLConfig``
-    (``arch="qwen3_vl"``) of about 1M parameters (DESIGN.md section 3: text hidden 128, 3 layers here and in the
-    smoke profile, 4 in the default profile's ``sft.text_layers`` since session 20, 4 heads / 2 KV heads; vision
-    hidden 96, 2 layers; the merger projects to the text hidden size; mrope sections ``[t, h, w]``
-    summing to ``head_dim / 2``). The two architectures differ where it matters for the tiny model: Qwen3-VL's vision
-    tower adds a learned absolute position embedding to its patches (Qwen2.5-VL's knows positions only through 2-D
-    rotary attention, so no token's value says where it is), uses 16-px patches (32-px merged tokens, against 28),
-    feeds early vision layers into the first LM layers (DeepStack) and interleaves the mrope frequencies. Measured
-    on the localisation drills (README): both learn the framed cell alike (43-46 of 80 new scenes after 400 steps).
-    :func:`build_model` initialises it deterministically from a seed (float32, CPU). :func:`save_checkpoint` writes
-    model + tokenizer + processor atomically (staging directory + rename via :func:`mars.data.io.atomic_dir`);
-    :func:`load_checkpoint` reads them back from a local directory only. Both give the vision tower's patch embedding
-    :class:`PatchLinear` (:func:`fast_patch_embed`): its Conv3d has kernel = stride = the whole patch, so it is one
-    matrix product over flattened patches, with the same values and the same weights (state-dict keys unchanged),
-    and its backward costs a quarter of the CPU Conv3d's (bench/bench_sft.py; README). The same
-    ``load_checkpoint`` loads a real local Qwen2.5-VL or Qwen3-VL checkpoint directory (``config.json``,
-    safetensors, ``tokenizer.json``, ``preprocessor_config.json``): pass ``dtype=torch.bfloat16`` for a large one
-    (not tested here). :class:`CompiledTextLayers` runs the text decoder layers through ``torch.compile`` inside a
-    ``with`` block (the trainers' steps: ``sft.compile``), leaving the model untouched outside it.
+    (``arch="qwen3_vl"``) of about 1M parameters (docs/design.md, The embedded default world: text hidden 128, 3 layers
+    and 4 heads / 2 KV heads here and in the smoke profile, 4 layers and 8 / 4 in the default's ``sft.text_layers``,
+    ``sft.heads``, ``sft.kv_heads``; vision hidden 96, 2 layers; the merger projects to the text hidden size; mrope
+    sections ``[t, h, w]`` summing to ``head_dim / 2``). The two architectures differ where it matters for the tiny
+    model: Qwen3-VL's vision tower adds a learned absolute position embedding to its patches (Qwen2.5-VL's knows
+    positions only through 2-D rotary attention, so no token's value says where it is), uses 16-px patches (32-px merged
+    tokens, against 28), feeds early vision layers into the first LM layers (DeepStack) and interleaves the mrope
+    frequencies. Measured on the localisation drills (docs/findings.md): both learn the framed cell alike (43-46 of 80
+    new scenes after 400 steps). :func:`build_model` initialises it deterministically from a seed (float32, CPU).
+    :func:`save_checkpoint` writes model + tokenizer + processor atomically (staging directory + rename via
+    :func:`mars.data.io.atomic_dir`); :func:`load_checkpoint` reads them back from a local directory only. Both give the
+    vision tower's patch embedding :class:`PatchLinear` (:func:`fast_patch_embed`): its Conv3d has kernel = stride = the
+    whole patch, so it is one matrix product over flattened patches, with the same values and the same weights
+    (state-dict keys unchanged), and its backward costs a quarter of the CPU Conv3d's (bench/bench_sft.py;
+    docs/benchmarks.md). The same ``load_checkpoint`` loads a real local Qwen2.5-VL or Qwen3-VL checkpoint directory
+    (``config.json``, safetensors, ``tokenizer.json``, ``preprocessor_config.json``): pass ``dtype=torch.bfloat16`` for
+    a large one (not tested here). :class:`CompiledTextLayers` runs the text decoder layers through ``torch.compile``
+    inside a ``with`` block (the trainers' steps: ``sft.compile``), leaving the model untouched outside it.
 
 Deviations
     Tiny random-init model on the embedded default; ``rope_theta`` defaults to 10,000 (Qwen2.5-VL uses 1e6, which
@@ -211,8 +211,8 @@ class CompiledTextLayers:
 
     Why only the text layers: they are most of a training step's time, and the compiled layer fuses the small
     elementwise work around the attention and MLP matrix products (norms, rotary, SiLU gate, residual adds): the
-    colour profile's 8-head model trained its phases 1.3-1.4x faster (sft 27.6 minutes instead of 35.8), the
-    default's 4-head one no faster; bench/bench_sft.py 1.16x a step at 8 heads (README, session 28). The vision
+    8-head default trained its phases 1.3-1.4x faster (sft 27.6 minutes instead of 35.8), a 4-head model no
+    faster (docs/findings.md); bench/bench_sft.py 1.16x a step at 8 heads (docs/benchmarks.md). The vision
     tower loops over images in Python (one attention call per image) and recompiles for every image count, and
     generation passes a growing KV cache: both stay eager. The first step compiles (14-28 s on 2 cores); values
     equal the eager layers' to float rounding, so a compiled run is reproducible but not equal to an eager one bit

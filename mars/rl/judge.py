@@ -1,9 +1,10 @@
 """Answer judging: a rule-based judge (the default) and an optional LLM judge on any OpenAI-compatible endpoint.
 
-DESIGN.md section 5: the answer reward is 1 when the judge says the prediction matches the gold answer. The rule
-judge tries, in order: normalised exact match against the first gold answer (``exact``), against the other answers
-(``alias``), the multiple-choice letter when the question has options (``choice``), and numeric equality within a
-relative tolerance (``numeric``). :func:`judge_answer` asks the LLM judge only when the rules say "not correct".
+The answer reward is 1 when the judge says the prediction matches the gold answer (docs/design.md, Rewards and the
+judge). The rule judge tries, in order: normalised exact match against the first gold answer (``exact``), against the
+other answers (``alias``), the multiple-choice letter when the question has options (``choice``), and numeric equality
+within a relative tolerance (``numeric``). :func:`judge_answer` asks the LLM judge only when the rules say "not
+correct".
 
 The LLM judge is built to be robust to predictions that try to speak for it: it only ever sees the *extracted*
 answer, which is sanitised (NFKC, control characters dropped, every ``<``/``>`` escaped as ``&lt;``/``&gt;`` so no

@@ -1,4 +1,4 @@
-"""Trajectory rewards: answer reward plus format reward (DESIGN.md section 5).
+"""Trajectory rewards: answer reward plus format reward (docs/design.md, Rewards and the judge).
 
 ``reward = weights.answer * correct + weights.format * format_ok``; the paper uses 1.0 and 0.5, so a trajectory
 scores 0, 0.5, 1.0 or 1.5. ``correct`` comes from :func:`mars.rl.judge.judge_answer`; ``format_ok`` says that a

@@ -17,23 +17,22 @@ What it does
     the target's own value, so localisation and reading are practised in the episode's own context.
 
 Deviation from the paper (and why)
-    The paper's Qwen2.5-VL already localises a described region. The embedded default's vision tower is random-init
-    and the DESIGN.md section 3 notes measured that finding the framed cell takes 500-1,000 steps at batch 16, each
-    with a framed scene. The sft split has a few dozen scenes and a few hundred trajectories, and with the previous
-    defaults the SFT checkpoint's first zoom hit the framed cell at chance (24 of 80 test episodes against 20 by
-    chance; README). These drills are cheap (one 224-px view, a ~100-token dialogue; 7 ms to draw) and every one
-    draws a new scene, so the cue, not a scene, is what can be learned. They stand in for the base model's
-    grounding pre-training (``sft.pretrain_locate``; 0 for a pretrained ``init_checkpoint``).
+    The paper's Qwen2.5-VL already localises a described region. The embedded default's vision tower is random-init and
+    finding the framed cell was measured to take 500-1,000 steps at batch 16, each with a framed scene. The sft split
+    has a few dozen scenes and a few hundred trajectories, and with the previous defaults the SFT checkpoint's first
+    zoom hit the framed cell at chance (24 of 80 test episodes against 20 by chance; docs/findings.md). These drills are
+    cheap (one 224-px view, a ~100-token dialogue; 7 ms to draw) and every one draws a new scene, so the cue, not a
+    scene, is what can be learned. They stand in for the base model's grounding pre-training (``sft.pretrain_locate``; 0
+    for a pretrained ``init_checkpoint``).
 
-    Measured (README): with the old ``sft.vision_lr`` of 0.01 they did not teach the framed cell (the tower stayed
-    at chance: ``bench/probe_locate.py`` shows a random-init tower never leaves 25% at 0.01 and reaches 100% of
-    held-out scenes in about 150 steps at 1e-3 .. 3e-3). At 0.002, 400 steps of these drills alone put 43-46 of 80
-    first zooms on new scenes in the framed cell (chance 20). Mixed into phase 1 they did not carry over (25 of 80
-    test scenes after the pipeline); in a block of their own after phase 1 (``sft.locate_steps``: 600 steps on
-    2,000 drills) the SFT model's first zoom hit the framed cell in 74 of 80 (README's Results), but in other runs
-    the block missed it (30-35 of 80). Now the tower first learns the framed cell of these drills' scenes directly
-    (sft phase 0, ``sft.vision_locate_steps``: :func:`mars.train.vision.cell_data`), and a 300-step block framed 80
-    of 80 (README, session 14).
+    Measured (docs/findings.md): with the old ``sft.vision_lr`` of 0.01 they did not teach the framed cell (the tower
+    stayed at chance: ``bench/probe_locate.py`` shows a random-init tower never leaves 25% at 0.01 and reaches 100% of
+    held-out scenes in about 150 steps at 1e-3 .. 3e-3). At 0.002, 400 steps of these drills alone put 43-46 of 80 first
+    zooms on new scenes in the framed cell (chance 20). Mixed into phase 1 they did not carry over (25 of 80 test scenes
+    after the pipeline); in a block of their own after phase 1 (``sft.locate_steps``: 600 steps on 2,000 drills) the SFT
+    model's first zoom hit the framed cell in 74 of 80, but in other runs the block missed it (30-35 of 80). Now the
+    tower first learns the framed cell of these drills' scenes directly (sft phase 0, ``sft.vision_locate_steps``:
+    :func:`mars.train.vision.cell_data`), and a 300-step block framed 80 of 80.
 
 How to run (Python)::
 

@@ -17,9 +17,9 @@ What it does
 
 Deviation from the paper
     MARS's tools search the live web (text search API, reverse image search). Here they search an offline,
-    generated world (DESIGN.md section 3). The boxes follow the reference release and Qwen2.5-VL grounding:
-    relative coordinates on a 0..1000 grid by default (``ToolConfig.coords = "absolute"`` switches to
-    pixels of the image as shown to the policy).
+    generated world (docs/design.md, The embedded default world). The boxes follow the reference release and
+    Qwen2.5-VL grounding: relative coordinates on a 0..1000 grid by default (``ToolConfig.coords =
+    "absolute"`` switches to pixels of the image as shown to the policy).
 
 How to run
     >>> from mars.tools.base import TOOL_SCHEMAS, Observation

@@ -32,8 +32,8 @@ Why bm25s (not tantivy)
 
 Deviation from the paper
     MARS searches the live web / Wikipedia through a search API. We search an offline, generated world
-    corpus; DESIGN.md section 8 keeps tantivy over a local Wikipedia dump or a cached web API as the
-    scale-up path.
+    corpus; tantivy over a local Wikipedia dump, or a cached web API (:mod:`mars.tools.web`), is the scale-up path
+    (bench/SEARCH_CHOICE.md; docs/design.md, The scale path).
 
 How to run
     >>> idx = TextIndex.build(corpus_table)          # pa.Table with the CORPUS columns

@@ -33,9 +33,9 @@ What it does
 
 Deviation from the paper
     MARS's tools are web text search, web reverse image search and a crop tool. Ours search an offline,
-    generated world (DESIGN.md section 3): BM25 over the world corpus and exact nearest neighbours over the
-    emblem gallery. Boxes use relative 0..1000 coordinates, as Qwen2.5-VL grounding and the reference
-    release do (``coords="absolute"`` for pixels).
+    generated world (docs/design.md, The embedded default world): BM25 over the world corpus and exact nearest
+    neighbours over the emblem gallery. Boxes use relative 0..1000 coordinates, as Qwen2.5-VL grounding and
+    the reference release do (``coords="absolute"`` for pixels).
 
 How to run
     >>> box = ToolBox.from_dirs(Path("data/index"), Path("data/world/gallery"), ToolConfig())

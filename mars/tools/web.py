@@ -43,7 +43,7 @@ Deviation from the paper
     The MARS reference searches the live web with Serper and condenses pages with a summariser LLM. The
     default pipeline here stays OFFLINE: ``text_search`` is BM25 over the generated world corpus
     (:mod:`mars.tools.text_index`), which is reproducible and needs no key or network. This module is the
-    scale-up path of DESIGN.md section 8 (a web search API through httpx); pair it with a
+    scale-up path (docs/design.md, The scale path: a web search API through httpx); pair it with a
     :class:`~mars.tools.cache.ToolCache` (content-addressed, keyed on the query) so reruns replay results
     instead of paying for them. Serper returns snippets, not page text: we summarise the snippets (the
     reference can also fetch pages).

@@ -86,7 +86,7 @@ def dialogues_digest(dialogues: list[list[dict]]) -> str:
 def render_examples(dialogues: list[list[dict]], processor, max_len: int, desc: str = "rendering") -> list[Rendered]:
     """Rendered dialogues no longer than ``max_len`` tokens (in order); logs how many were dropped. Pixel values are
     kept in float16 (:func:`collate` hands the model float32): half the memory of a phase's pre-rendered images (up
-    to 1.2 MB each in float32 in the 224-px view; run P3's localisation block held about 7,000: README)."""
+    to 1.2 MB each in float32 in the 224-px view; the default's localisation block holds about 7,000)."""
     out, dropped = [], 0
     for d in tqdm(dialogues, desc=desc, unit="traj", leave=False):
         r = render(d, processor)
@@ -108,11 +108,11 @@ def render_examples(dialogues: list[list[dict]], processor, max_len: int, desc: 
 class EpochSampler:
     """Batches of indices from a seeded permutation per epoch; ``state()`` / ``load()`` for resume.
 
-    With ``lengths`` and ``group_batches`` > 1 the permutation is length-grouped (as transformers'
-    ``group_by_length``): each run of ``group_batches * batch_size`` shuffled indices is sorted by length, cut
-    into batches, and the epoch's batches are shuffled, so a batch holds examples of similar length and pads
-    less (phase 2 of the default sft: 93% of the padded tokens are real with 8, 63% without; README). Every
-    batch is then whole: a run's last batch overlaps the one before it (a few examples seen twice that epoch).
+    With ``lengths`` and ``group_batches`` > 1 the permutation is length-grouped (as transformers' ``group_by_length``):
+    each run of ``group_batches * batch_size`` shuffled indices is sorted by length, cut into batches, and the epoch's
+    batches are shuffled, so a batch holds examples of similar length and pads less (phase 2 of the default sft: 93% of
+    the padded tokens are real with 8, 63% without; docs/findings.md). Every batch is then whole: a run's last batch
+    overlaps the one before it (a few examples seen twice that epoch).
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, lengths=None, group_batches: int = 1):

@@ -39,7 +39,7 @@ Deviations
     - The released MARS script runs plain GRPO; the paper's BN-GSPO is the default here (docs/design.md, BN-GSPO).
     - The policy is rolled out in process (HF backend); on GPUs rollouts go to a vLLM server through the ``openai``
       backend, with the weights pushed to the server after each update (:func:`mars.serve.openai_server` exposes
-      the reload call the stage uses; see the README).
+      the reload call the stage uses; docs/design.md, The scale path).
     - A fresh HF backend is made every step, so no KV cache computed with old weights is ever reused.
     - The monitor "tool calls on questions that need none" is not logged: every question of the generated world
       needs a tool (perception a zoom, search and multi-hop searches); ``tool_calls`` per episode and the

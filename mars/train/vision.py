@@ -1,5 +1,5 @@
-"""Vision pre-training (phase 0 of the sft stage): teach a random-init vision tower to read emblems (off by default)
-or to find the framed cell (on by default).
+"""Vision pre-training (phase 0 of the sft stage): teach a random-init vision tower to read emblems and to find the
+framed cell (both on by default).
 
 What it does
     :func:`pretrain_vision` trains a model's vision tower and projector (``model.model.visual``) on labelled emblem
@@ -17,25 +17,26 @@ What it does
 
 Why (and the deviation from the paper)
     The paper's policy starts from Qwen2.5-VL, whose vision encoder was pre-trained on billions of images and reads
-    shapes and letters. The embedded default's tower is random-init, and learning to read through the language
-    model's next-token loss did not happen in the SFT budget (2,000 zoom captions in the localisation block:
-    perception at the multiple-choice guess; README). Measured with ``bench/probe_read.py``: even this direct
-    classification loss leaves shape, letter and pattern at chance at ``sft.vision_lr`` (2e-3, 800 steps, at 96x2
-    and at 192x4); at 5e-4 it learns shape and pattern after a phase change of hundreds of steps, letters not at
-    all; the fill colour is read at 2e-3 within 200 steps (23% of held-out crops at the default zone, 51% at
-    ``world.target_zone`` 0.18; chance 6%) (README, Results). This phase is therefore a stand-in for the base
-    model's vision pre-training (supervised, as ViTs were pre-trained on labelled images), like phase 1 for its
-    language pre-training. Measured in the pipeline (README):
-    3,000 steps with ``world.target_zone`` 0.18 reach shape 29%, pattern 32%, letter 1% on held-out crops, and the
-    SFT model's perception stayed at 20%; with colour questions (session 15), 400 steps at 2e-3 read the fill of
-    half the held-out crops and the SFT model answered 2 of 16 colour questions. So it is off by default
-    (``sft.vision_pretrain_steps: 0``), and it is refused with ``sft.freeze_vision`` (a pretrained checkpoint's
-    tower).
+    shapes and letters. The embedded default's tower is random-init, and learning to read through the language model's
+    next-token loss did not happen in the SFT budget (2,000 zoom captions in the localisation block: perception at the
+    multiple-choice guess; docs/findings.md). Measured with ``bench/probe_read.py``: even this direct classification
+    loss leaves shape, letter and pattern at chance at ``sft.vision_lr`` (2e-3, 800 steps, at 96x2 and at 192x4); at
+    5e-4 it learns shape and pattern after a phase change of hundreds of steps, letters not at all; the fill colour is
+    read at 2e-3 within 200 steps (with emblems 0.05 of the scene: 23% of held-out crops at the default zone, 51% at
+    ``world.target_zone`` 0.18; chance 6%) (docs/findings.md). This phase is therefore a stand-in for the base model's
+    vision pre-training (supervised, as ViTs were pre-trained on labelled images), like phase 1 for its language
+    pre-training. Measured in the pipeline (docs/findings.md): 3,000 steps with ``world.target_zone`` 0.18 reach shape
+    29%, pattern 32%, letter 1% on held-out crops, and a 4-head SFT model's perception stayed at 20%; with colour
+    questions, 400 steps at 2e-3 read the fill of half the held-out crops and that model answered 2 of 16 colour
+    questions. The default asks the colour of emblems 0.12 of the scene drawn in the world's colour schemes: phase 0
+    at 5e-4 reads the fill of 96-98% of held-out crops, and its 8-head SFT model answers 17-21 of 21 open colour
+    questions. So reading is on by default (``sft.vision_pretrain_steps``), and it is refused with ``sft.freeze_vision``
+    (a pretrained checkpoint's tower).
     Localisation: the sft stage's localisation block teaches the first zoom through the language model's loss, and
-    whether the tower found the frame that way varied between runs (30-79 of 80 held-out scenes framed with the
-    same block; README). Taught directly (``bench/probe_locate.py``: 100% of held-out scenes in 100-150 steps at
-    2e-3), the tower sees the frame before the block starts (``sft.vision_locate_steps``, on by default; README).
-    A pretrained tower (the paper's) needs neither.
+    whether the tower found the frame that way varied between runs (30-79 of 80 held-out scenes framed with the same
+    block; docs/findings.md). Taught directly (``bench/probe_locate.py``: 100% of held-out scenes in 100-150 steps at
+    2e-3), the tower sees the frame before the block starts (``sft.vision_locate_steps``, on by default;
+    docs/findings.md). A pretrained tower (the paper's) needs neither.
 
 Run the tests: ``.venv/bin/python -m pytest tests/train/test_vision.py -q``.
 """
@@ -181,7 +182,7 @@ def read_accuracy(visual: torch.nn.Module, heads: ReadHeads, data: list[Labelled
 class VisionPretrainConfig:
     steps: int = 2000
     batch_size: int = 16
-    lr: float = 5e-4  # measured: 2e-3 (sft.vision_lr) stays at chance (bench/probe_read.py, README)
+    lr: float = 5e-4  # measured: 2e-3 (sft.vision_lr) stays at chance (bench/probe_read.py, docs/findings.md)
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     seed: int = 0

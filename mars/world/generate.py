@@ -1,6 +1,7 @@
 """Generate the embedded default world: entities, corpus, gallery, raw image pool, world truth.
 
-The world is an offline stand-in for the web, Wikipedia and 4K news photos (DESIGN.md section 3):
+The world is an offline stand-in for the web, Wikipedia and 4K news photos (docs/design.md, The
+embedded default world):
 
 - entities with a procedural emblem and facts (kind, founding year, city, founder), plus
   distractor entities with similar names that exist only in the corpus;

@@ -1,4 +1,4 @@
-"""Questions over the embedded world: perception, search and multi-hop (DESIGN.md section 3).
+"""Questions over the embedded world: perception, search and multi-hop (docs/design.md, The embedded default world).
 
 What it does
     :func:`make_questions` turns a generated world (entities, world truth, raw image pool) into a QUESTIONS table
@@ -10,8 +10,8 @@ What it does
       ``pattern``. At the resolution the policy sees the whole scene the emblem is a few pixels, so a zoom is
       needed. The colour is the one attribute the embedded default's random-init vision tower learns to read at the
       zoom's scale in the budget (letters stay at chance, shapes and patterns need emblems about twice as large),
-      yet the SFT model did not learn to answer it (README, Results, session 15); the synthesize stage's
-      ``perception_attributes`` picks which attributes are asked (shape, letter and pattern by default).
+      and the 8-head default's SFT model learns to answer it where a 4-head one did not (docs/findings.md); the
+      synthesize stage's ``perception_attributes`` picks which attributes are asked (the colour by default).
     - ``search`` (like MMSearch): the image is one large rendering of an entity's emblem (a fresh gallery-style
       rendering with its own noise, rotation and background, never in the image index); the question asks a fact
       (founding year, city, founder) that only the text corpus holds: image_search, then text_search.

@@ -17,8 +17,9 @@ Geometry (all pure functions, so tests and other stages can recompute it):
 - the target lies wholly inside the central ``target_zone`` share (per axis) of its cell
   (:func:`zone_box`; 1.0 = anywhere in the cell). With the default 0.4, "zoom on the middle of the
   framed cell" is a choice among ``grid_rows * grid_cols`` fixed boxes, which a tiny model learns
-  (DESIGN.md section 3), and the crop shows the emblem large enough for image search to identify
-  it; regressing an emblem's exact box from pixels is not learnable in the default budget.
+  (docs/design.md, The embedded default world), and the crop shows the emblem large enough for
+  image search to identify it; regressing an emblem's exact box from pixels is not learnable in the
+  default budget.
 
 :func:`render_scene` draws one scene and returns the image with a :class:`SceneInfo` (boxes are
 tight around the emblem's visible pixels, ``x1``/``y1`` exclusive).

@@ -1,8 +1,9 @@
 """Tests of mars.curate.pool.curate_pool on a small planted pool built with PIL.
 
-The pool holds every trap of DESIGN.md section 3 (low resolution, exact and near
-duplicates, corrupt, truncated, non-image, EXIF-rotated, CMYK, 16-bit, palette, RGBA,
-decompression bomb) plus distinct scenes; each file's expected outcome is known.
+The pool holds every trap listed in docs/design.md, The embedded default world (low
+resolution, exact and near duplicates, corrupt, truncated, non-image, EXIF-rotated, CMYK,
+16-bit, palette, RGBA, decompression bomb) plus distinct scenes; each file's expected
+outcome is known.
 Run: ``python -m pytest tests/curate/test_pool.py -q``.
 """
 

@@ -118,7 +118,7 @@ def test_partition_and_bomb_rejected_from_header(built):
 def test_index_probe_metrics(built):
     tmp, _ = built
     m = json.loads((tmp / "index.json").read_text())
-    # measured on the smoke world: 1.0 and 1.0; on the default world see README
+    # measured on the smoke world: 1.0 and 1.0; on the default world see docs/findings.md
     assert m["text_recall_at_5"] >= 0.95 and m["image_recall_at_5"] >= 0.9
     assert json.loads((tmp / "index/manifest.json").read_text())["documents"] == m["documents"]
 
@@ -151,7 +151,7 @@ def test_cropping_is_necessary(built):
     The region of the 224-px view around the target, cut out and upsampled, is no longer a negative: on the calm
     zone the hand-built descriptor identifies most targets from it (measured 7/8 on this world; it was <= 4/8
     with clutter around the target). A policy cannot make that call: image search takes a whole image, so it
-    has to zoom first (README, the embedded default world)."""
+    has to zoom first (docs/design.md, The embedded default world)."""
     from mars.agent.oracle import zone_zoom_box
     from mars.tools.embedders import load_embedder
     from mars.tools.image_index import ImageIndex

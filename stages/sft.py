@@ -461,8 +461,8 @@ def _check_scene(params: Params, scene: SceneConfig | None) -> None:
     drawn = params.locate_steps or (params.pretrain_steps and (params.pretrain_locate or params.pretrain_zoom_captions))
     if (drawn or params.vision_pretrain_steps) and scene is None:
         raise ValueError("sft.pretrain_locate, pretrain_zoom_captions or vision_pretrain_steps > 0 needs the world's "
-                         "scene knobs (the world params section); run the stage through `python -m stages.sft` or pass "
-                         "scene=WorldSpec(...).scene_config()")
+                         "scene knobs (scene.json, written by the world stage); run the stage through "
+                         "`python -m stages.sft` or pass scene=mars.world.scenes.read_scene(world_dir)")
 
 
 def _check_arch(params: Params, agent: AgentParams) -> None:
@@ -738,9 +738,9 @@ def main(argv: list[str] | None = None) -> int:
         outputs=("out", "checkpoints", "live", "metrics"),
     )
     agent = load_section("agent", AgentParams, argv)
-    from stages.world import Params as WorldParams, world_spec
+    from mars.world.scenes import read_scene
 
-    run(params, agent, inputs, outputs, scene=world_spec(load_section("world", WorldParams, argv)).scene_config())
+    run(params, agent, inputs, outputs, scene=read_scene(inputs["world_dir"]))  # the world's own scene knobs
     return 0
 
 

@@ -37,6 +37,7 @@ from mars.data.quality import write_artifacts
 from mars.data.suites import rows
 from mars.stage import stage_args, write_metrics
 from mars.world.generate import WorldSpec, generate_world
+from mars.world.scenes import write_scene
 
 SECTION = "world"
 log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
     t0 = time.perf_counter()
     metrics: dict = {"source": params.source}
     with atomic_dir(outputs["out"]) as out:
-        tables = generate_world(world_spec(params), out / "raw", out / "gallery", progress=True, workers=workers)
+        spec = world_spec(params)
+        tables = generate_world(spec, out / "raw", out / "gallery", progress=True, workers=workers)
+        write_scene(spec.scene_config(), out)  # the scene knobs, for the stages that draw scenes like these
         raw_images = tables.raw_images
         if params.source == "folder":
             from mars.world.folder import ingest_folder

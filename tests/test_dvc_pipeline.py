@@ -63,3 +63,59 @@ def test_repository_dvc_yaml_follows_the_conventions():
         assert name in params, name
         for profile, sections in params["profiles"].items():
             assert name in sections, f"profiles.{profile} lacks {name}"
+
+
+def _module_file(module: str):
+    """The repository file that defines ``module`` (a package's ``__init__.py``), or None (third party)."""
+    path = REPO / module.replace(".", "/")
+    for f in (path / "__init__.py", path.with_suffix(".py")):
+        if f.is_file():
+            return f
+    return None
+
+
+def _imported_files(start):
+    """Every repository module ``start`` imports, directly or not (ast: imports inside functions included, and the
+    packages above each module, whose ``__init__`` runs first)."""
+    import ast
+
+    seen, todo = set(), [start]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        package = path.relative_to(REPO).with_suffix("").parts
+        if path.name == "__init__.py":
+            package = package[:-1] + ("__init__",)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(list(package[:-node.level]) + [node.module or ""]).strip(".") if node.level else node.module
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] not in ("mars", "stages", "pipelines"):
+                    continue
+                for i in range(1, len(parts) + 1):
+                    found = _module_file(".".join(parts[:i]))
+                    if found is not None and found not in seen:
+                        todo.append(found)
+    return seen
+
+
+def test_every_module_a_stage_imports_is_one_of_its_deps():
+    """DVC reruns a stage when a dep changes: every repository module its ``stages/<name>.py`` imports, however
+    deeply, is listed in dvc.yaml's deps (the file or a folder above it)."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    missing = []
+    for name, stage in stages.items():
+        deps = [d.rstrip("/") for d in stage["deps"] if not d.startswith("data/")]
+        for f in sorted(_imported_files(REPO / "stages" / f"{name}.py")):
+            rel = str(f.relative_to(REPO))
+            if not any(rel == d or rel.startswith(d + "/") for d in deps):
+                missing.append(f"stage {name}: {rel}")
+    assert not missing, "dvc.yaml deps miss imported modules (add them to the stage's deps):\n" + "\n".join(missing)

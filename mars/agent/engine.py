@@ -94,13 +94,14 @@ from mars.agent.protocol import (
     ParsedTurn,
     compact_system_prompt,
     format_error_observation,
+    format_ok,
     format_tool_response,
     parse_turn,
     system_prompt,
 )
 from mars.data.schemas import TRAJECTORIES
 from mars.rl.judge import rule_judge
-from mars.rl.rewards import RewardWeights, compute_reward, format_ok
+from mars.rl.rewards import RewardWeights, compute_reward
 from mars.tools.base import TOOL_NAMES, TOOL_SCHEMAS, Observation
 from mars.tools.imaging import policy_view
 

@@ -40,7 +40,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, Sequence
 
 __all__ = [
     "ACTION_TAGS",
@@ -51,6 +51,7 @@ __all__ = [
     "content_text",
     "format_answer",
     "format_error_observation",
+    "format_ok",
     "format_tool_call",
     "format_tool_response",
     "parse_turn",
@@ -504,3 +505,27 @@ DIRECT_SYSTEM_PROMPT = (
     "You are a helpful assistant that answers questions about images. Answer directly, without tools: first "
     "reason inside <think>...</think>, then give the final answer inside <answer>...</answer>."
 )
+
+
+def format_ok(turns: Sequence[ParsedTurn], tool_errors: int) -> bool:
+    """A final answer exists, every turn is well formed, and no tool call failed because of the model.
+
+    >>> call = parse_turn('<think>look</think><tool_call>{"name": "text_search", "arguments": {"query": "x"}}</tool_call>')
+    >>> done = parse_turn('<think>found</think><answer>1987</answer>')
+    >>> format_ok([call, done], tool_errors=0)
+    True
+    >>> format_ok([call, done], tool_errors=1)  # e.g. a bbox outside the image
+    False
+    >>> format_ok([call], tool_errors=0)  # never answered (ran out of turns)
+    False
+    >>> format_ok([parse_turn('<answer>1987</answer>')], tool_errors=0)  # no <think>
+    False
+    >>> format_ok([], tool_errors=0)
+    False
+    """
+    if not turns or tool_errors > 0:
+        return False
+    if not all(t.well_formed for t in turns):
+        return False
+    last = turns[-1]
+    return last.action == "answer" and bool(last.answer)

@@ -1,10 +1,11 @@
 """Trajectory rewards: answer reward plus format reward (docs/design.md, Rewards and the judge).
 
 ``reward = weights.answer * correct + weights.format * format_ok``; the paper uses 1.0 and 0.5, so a trajectory
-scores 0, 0.5, 1.0 or 1.5. ``correct`` comes from :func:`mars.rl.judge.judge_answer`; ``format_ok`` says that a
-final answer exists, every assistant turn parsed without a single :class:`~mars.agent.protocol.FormatError`, and
-no tool call failed because of the model (bad bbox, img_idx out of range, ...; infrastructure failures such as a
-search backend timing out are not the model's fault and must not be counted in ``tool_errors``).
+scores 0, 0.5, 1.0 or 1.5. ``correct`` comes from :func:`mars.rl.judge.judge_answer`; ``format_ok`` (a plain bool,
+from :func:`mars.agent.protocol.format_ok`) says that a final answer exists, every assistant turn parsed without a
+single format error, and no tool call failed because of the model (bad bbox, img_idx out of range, ...;
+infrastructure failures such as a search backend timing out are not the model's fault and must not be counted in
+``tool_errors``).
 
 Deviation from the paper: the format reward is all-or-nothing per trajectory (no partial credit per turn), and it is
 independent of correctness (a correct answer in a malformed trajectory gets 1.0, not 1.5), as the paper's sum implies.
@@ -16,11 +17,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
 
-from mars.agent.protocol import ParsedTurn
-
-__all__ = ["RewardBreakdown", "RewardWeights", "compute_reward", "format_ok"]
+__all__ = ["RewardBreakdown", "RewardWeights", "compute_reward"]
 
 
 @dataclass(frozen=True)
@@ -44,31 +42,6 @@ class RewardBreakdown:
     total: float
     correct: bool
     well_formed: bool
-
-
-def format_ok(turns: Sequence[ParsedTurn], tool_errors: int) -> bool:
-    """A final answer exists, every turn is well formed, and no tool call failed because of the model.
-
-    >>> from mars.agent.protocol import parse_turn
-    >>> call = parse_turn('<think>look</think><tool_call>{"name": "text_search", "arguments": {"query": "x"}}</tool_call>')
-    >>> done = parse_turn('<think>found</think><answer>1987</answer>')
-    >>> format_ok([call, done], tool_errors=0)
-    True
-    >>> format_ok([call, done], tool_errors=1)  # e.g. a bbox outside the image
-    False
-    >>> format_ok([call], tool_errors=0)  # never answered (ran out of turns)
-    False
-    >>> format_ok([parse_turn('<answer>1987</answer>')], tool_errors=0)  # no <think>
-    False
-    >>> format_ok([], tool_errors=0)
-    False
-    """
-    if not turns or tool_errors > 0:
-        return False
-    if not all(t.well_formed for t in turns):
-        return False
-    last = turns[-1]
-    return last.action == "answer" and bool(last.answer)
 
 
 def compute_reward(correct: bool, format_ok: bool, weights: RewardWeights = RewardWeights()) -> RewardBreakdown:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageChops, ImageDraw
@@ -65,6 +66,35 @@ class SceneConfig:
     # emblems, of no entity): () = any palette colours; a world's own (mars.world.emblems.schemes_of) with
     # sft.emblem_colours = world
     schemes: tuple[tuple[str, str, str | None], ...] = ()
+
+
+SCENE_FILE = "scene.json"  # the world stage writes its SceneConfig here; the stages that draw scenes anew read it
+
+
+def write_scene(cfg: SceneConfig, world_dir: str | Path) -> None:
+    """Save ``cfg`` as ``world_dir/scene.json`` (written atomically), for the stages that draw scenes like the world's."""
+    import json
+
+    from mars.data.io import atomic_write_text
+
+    atomic_write_text(Path(world_dir) / SCENE_FILE, json.dumps(asdict(cfg), indent=1, sort_keys=True) + "\n")
+
+
+def read_scene(world_dir: str | Path) -> SceneConfig:
+    """The world's :class:`SceneConfig` from ``world_dir/scene.json`` (:func:`write_scene`), with a clear error when it
+    is missing or does not match this code's scene knobs."""
+    import json
+
+    path = Path(world_dir) / SCENE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; the world stage writes it: rerun it (dvc repro world)")
+    values = json.loads(path.read_text())
+    known = {f.name for f in fields(SceneConfig)}
+    if set(values) != known:
+        raise ValueError(f"{path}: its keys {sorted(set(values) ^ known)} do not match this code's scene knobs; "
+                         "rerun the world stage (dvc repro -f world)")
+    values["schemes"] = tuple(tuple(s) for s in values["schemes"])
+    return SceneConfig(**values)
 
 
 @dataclass(frozen=True)

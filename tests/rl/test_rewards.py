@@ -8,8 +8,8 @@ import math
 import pytest
 
 import mars.rl.rewards as rewards_mod
-from mars.agent.protocol import format_answer, format_tool_call, parse_turn
-from mars.rl.rewards import RewardBreakdown, RewardWeights, compute_reward, format_ok
+from mars.agent.protocol import format_answer, format_ok, format_tool_call, parse_turn
+from mars.rl.rewards import RewardBreakdown, RewardWeights, compute_reward
 
 CALL = parse_turn(format_tool_call("text_search", {"query": "Aster Guild"}, "search the name"))
 ZOOM = parse_turn(format_tool_call("image_zoom_in", {"bbox_2d": [0, 0, 500, 500], "img_idx": 0}, "zoom"))

@@ -74,6 +74,23 @@ def test_same_seed_same_hashes_other_seed_differs(built, tmp_path):
     assert tree_hashes(tmp_path / "other")["corpus.parquet"] != first["corpus.parquet"]
 
 
+def test_the_world_writes_its_scene_knobs_for_the_stages_that_draw_scenes(built, tmp_path):
+    """scene.json holds the world's SceneConfig (what the sft stage draws its drills with, instead of reading the
+    world's params); a missing or foreign file is a one-line error that says to rerun the world stage."""
+    import json
+
+    from mars.world.scenes import SCENE_FILE, read_scene
+
+    tmp, wp = built
+    assert read_scene(tmp / "world") == world.world_spec(wp).scene_config()
+    with pytest.raises(FileNotFoundError, match=r"scene.json: not found; the world stage writes it"):
+        read_scene(tmp_path)
+    values = json.loads((tmp / "world" / SCENE_FILE).read_text())
+    (tmp_path / SCENE_FILE).write_text(json.dumps({**values, "grid": 3}))
+    with pytest.raises(ValueError, match=r"keys \['grid'\] do not match this code's scene knobs; rerun the world"):
+        read_scene(tmp_path)
+
+
 def outcomes(tmp: Path) -> tuple[dict, dict, set]:
     raw = pq.read_table(tmp / "world/raw_images.parquet").to_pylist()
     rejects = {r["image_id"]: r for r in pq.read_table(tmp / "curate/rejects.parquet").to_pylist()}

@@ -18,6 +18,9 @@ Data
 Variants (the same model init, seed, data and sampler order; interleaved rounds, rotated order, best round kept)
     - ``pre-rendered`` (ours): the dialogues are rendered once up front (``render_examples``, its one-off cost is
       printed separately) and each step only collates.
+    - ``pre-rendered, float16 pixels`` (baseline of the storage): the same examples with their pixel values held as
+      float16 tensors instead of packed at a byte per value (:func:`mars.train.data.pack_pixels`); the same
+      values, so the same losses. The bytes each storage holds are printed.
     - ``render per step`` (baseline, what a simple trainer does): the same ``train_sft`` loop, but ``examples`` is a
       lazy sequence whose items are rendered (tokenised + image-processed) when a batch asks for them, every step.
     - ``pre-rendered, Conv3d patches`` (baseline of the patch embedding): pre-rendered, with the vision tower's
@@ -82,7 +85,7 @@ from mars.model.processor import build_processor  # noqa: E402
 from mars.model.tokenizer import train_tokenizer  # noqa: E402
 from mars.tools.base import TOOL_SCHEMAS  # noqa: E402
 from mars.tools.imaging import policy_view  # noqa: E402
-from mars.train.data import render_examples  # noqa: E402
+from mars.train.data import PackedPixels, render_examples, unpack_pixels  # noqa: E402
 from mars.train.optim import OptimConfig  # noqa: E402
 from mars.train.sft import SFTConfig, peak_rss_mb, train_sft  # noqa: E402
 
@@ -195,7 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     conv = "pre-rendered, Conv3d patches"
     split = f"pre-rendered, length split x{ns.split}"
     comp = "pre-rendered, compiled"
+    # the storage before packing: each image's float16 pixel values as a tensor
+    half = [replace(r, pixel_values=unpack_pixels(r.pixel_values)) if r.pixel_values is not None else r
+            for r in rendered]
+    packed_mb = sum(r.pixel_values.codes.nbytes + r.pixel_values.table.nbytes for r in rendered
+                    if isinstance(r.pixel_values, PackedPixels)) / 2**20
+    half_mb = sum(r.pixel_values.nbytes for r in half if r.pixel_values is not None) / 2**20
     variants = {"pre-rendered (ours)": (lambda: rendered, cfg),
+                "pre-rendered, float16 pixels": (lambda: half, cfg),
                 "render per step (baseline)": (lambda: LazyRendered(dialogues, proc), cfg),
                 f"pre-rendered, grouped x{ns.group}": (lambda: rendered, grouped),
                 conv: (lambda: rendered, cfg),
@@ -239,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
           f"after {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}")
     print(f"one-off pre-rendering of {len(rendered)} dialogues: {t_render:.2f} s "
           f"({1000 * t_render / len(rendered):.1f} ms/dialogue)")
-    base = best[names[1]][0]
+    base = best["render per step (baseline)"][0]
     print(f"\n{'variant':30s} {'steps':>5s} {'s/step':>6s} {'tokens/s':>9s} {'data share':>10s} {'data ms/step':>12s} "
           f"{'peak RSS MiB':>12s} {'tokens/s ratio':>14s} {'loss first->final':>18s}")
     for name in names:
@@ -264,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{ours['step_s'] / co['step_s']:.2f}x faster a step ({ours['step_s']:.2f} -> {co['step_s']:.2f} s; "
           f"compiled {co['compiled']}); losses {'the same' if same else 'NOT the same'} to 1e-3; the warm-up step "
           f"that compiled took {t_compile:.1f} s")
+    fp16 = best["pre-rendered, float16 pixels"][0]
+    print(f"\npixel values packed at a byte per value (mars.train.data.pack_pixels) against float16 tensors: "
+          f"{half_mb / max(packed_mb, 1e-9):.2f}x less memory ({half_mb:.1f} -> {packed_mb:.1f} MiB for "
+          f"{len(rendered)} dialogues); data {1000 * fp16['data_share'] * fp16['step_s']:.1f} -> "
+          f"{1000 * ours['data_share'] * ours['step_s']:.1f} ms a step; losses "
+          f"{'the same' if fp16['history'] == ours['history'] else 'NOT the same'}")
     print(f"\ntarget data share < 10% (ours): {'met' if ours['data_share'] < 0.10 else 'NOT met'} "
           f"({100 * ours['data_share']:.1f}%); process ru_maxrss {peak_rss_mb():.1f} MiB")
     return 0

@@ -163,7 +163,7 @@ def test_every_param_named_in_docs_and_docstrings_exists():
     sections = [s for s in doc if s != "profiles"]
     texts = [(p, p.read_text()) for p in [REPO / "README.md", REPO / "params.yaml", *(REPO / "docs").glob("*.md")]
              if p.name != "findings.md"]
-    for folder in ("mars", "stages", "pipelines", "bench", "tests"):
+    for folder in ("mars", "stages", "pipelines", "bench", "probes", "tests"):
         for path in sorted((REPO / folder).rglob("*.py")):
             toks = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
             strings = (t.string for t in toks if t.type in (tokenize.COMMENT, tokenize.STRING))
@@ -175,7 +175,7 @@ def test_every_param_named_in_docs_and_docstrings_exists():
                 continue
             module = f"stages.{section}"
             if section in doc and importlib.util.find_spec(module) and hasattr(importlib.import_module(module), key):
-                continue  # a function of the stage module (sft.phase_keys)
+                continue  # a function of the stage module (sft.run)
             stale.append(f"{path.relative_to(REPO)}: {section}.{key}")
     assert not stale, stale
 

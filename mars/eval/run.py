@@ -206,12 +206,12 @@ def first_zoom_framed(results: pa.Table, scene_of: dict[str, str | None], truth:
     ``scene_of`` maps a question id to its scene id (None for questions without a scene); ``truth`` maps a scene
     id to its target's WORLD_TRUTH row (grid and framed cell). Over the result rows of questions with a scene, the
     share whose first ``image_zoom_in`` on the scene (``img_idx`` 0) has a relative (0..1000) ``bbox_2d`` whose
-    centre lies in the framed cell (:func:`mars.synth.locate.located_cell`). An episode with no such zoom, or
+    centre lies in the framed cell (:func:`mars.train.locate.located_cell`). An episode with no such zoom, or
     whose first one is malformed, counts as a miss. Runs without scene episodes are left out."""
     import json
 
     from mars.agent.protocol import parse_turn
-    from mars.synth.locate import zoom_cell, zooms_on_scene
+    from mars.train.locate import zoom_cell, zooms_on_scene
 
     counts: dict[str, list[int]] = {}
     for r in results.to_pylist():

@@ -6,7 +6,7 @@ What it does
     no weight decay on biases and norms. ``freeze_vision=True`` freezes the vision tower and projector (the paper's
     setting for pretrained checkpoints); the embedded default trains them, since its random-init vision must learn
     the cue (docs/design.md, The embedded default world), at their own rate: the same 2e-3 as the language model
-    by default (a higher vision rate, 1e-2, kept the tower at chance on the frame cue: ``bench/probe_locate.py``;
+    by default (a higher vision rate, 1e-2, kept the tower at chance on the frame cue: ``probes/probe_locate.py``;
     docs/findings.md).
     :func:`lr_lambda` is linear warm-up then ``constant`` / ``cosine`` / ``linear`` decay to ``min_lr_ratio``.
     :class:`TorchStepper` owns AdamW + LambdaLR + gradient clipping behind the small interface the trainers use

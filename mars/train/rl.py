@@ -64,7 +64,7 @@ from mars.model.chat import Rendered, render, vision_token_ids
 from mars.rl.advantages import batch_scale, compute_advantages, group_advantages
 from mars.rl.losses import entropy_from_logits, kl_penalty, loss_normalizer, masked_mean, policy_loss
 from mars.rl.rewards import RewardWeights
-from mars.train.checkpoint import latest_state, open_live, rng_state, save_state, set_rng_state
+from mars.train.checkpoint import Checkpointer, open_live
 from mars.train.data import EpochSampler, collate, label_logits
 from mars.train.optim import OptimConfig, make_stepper
 from mars.train.sft import peak_rss_mb
@@ -238,16 +238,11 @@ def train_rl(
     refill_sampler = EpochSampler(len(questions), cfg.prompts_per_step, cfg.seed + 7919)
     history: list[dict] = []
     samples: list[dict] = []
-    start = 0
-    state = latest_state(ckpt_dir, fp)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        stepper.load_state_dict(state["stepper"])
-        sampler.load(state["sampler"])
-        refill_sampler.load(state["refill_sampler"])
-        set_rng_state(state["rng"])
-        history, samples, start = list(state["history"]), list(state["samples"]), int(state["step"])
-        log.info("resuming RL from step %d (%s)", start, ckpt_dir)
+    ckpt = Checkpointer(ckpt_dir, fp, {"model": model, "stepper": stepper, "sampler": sampler,
+                                       "refill_sampler": refill_sampler},
+                        every=cfg.checkpoint_every, last=cfg.steps, label="RL")
+    start, state = ckpt.resume()
+    history, samples = list(state.get("history", history)), list(state.get("samples", samples))
     inert = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
     if inert:
         log.warning("rl: one epoch and one mini-batch: the importance ratio is exactly 1 and clipping is inert "
@@ -385,12 +380,7 @@ def train_rl(
                              f"{cfg.collapse_min_tool_rate} for {cfg.collapse_window} steps "
                              "(rl.collapse_min_tool_rate / rl.collapse_window); lower rl.lr")
         done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            save_state(ckpt_dir, done, {
-                "fingerprint": fp, "step": done, "model": model.state_dict(), "stepper": stepper.state_dict(),
-                "sampler": sampler.state(), "refill_sampler": refill_sampler.state(), "rng": rng_state(),
-                "history": history, "samples": samples,
-            })
+        ckpt.step_done(done, history=history, samples=samples)
     bar.close()
     if live is not None:
         live.end()

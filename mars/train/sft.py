@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from mars.model.build import CompiledTextLayers
 from mars.model.chat import Rendered
-from mars.train.checkpoint import latest_state, open_live, rng_state, save_state, set_rng_state
+from mars.train.checkpoint import Checkpointer, open_live
 from mars.train.data import EpochSampler, collate, label_logits, length_chunks
 from mars.train.optim import OptimConfig, make_stepper
 
@@ -113,7 +113,7 @@ def train_sft(
 ) -> dict:
     """Train ``model`` in place (see the module docstring); returns the run summary.
 
-    ``until(model, step)``: a stopping check (e.g. :class:`mars.synth.locate.LocateCheck`), asked with the model in
+    ``until(model, step)``: a stopping check (e.g. :class:`mars.train.locate.LocateCheck`), asked with the model in
     eval mode after each checkpoint before the last step and when resuming from one; training ends when it returns
     True (``stopped_early`` in the summary). A deterministic check keeps a resumed run equal to an uninterrupted one.
     """
@@ -127,18 +127,12 @@ def train_sft(
     sampler = EpochSampler(len(examples), cfg.batch_size * cfg.grad_accum, cfg.seed, lengths=lengths,
                            group_batches=cfg.group_batches)
     history: list[tuple[int, float]] = []
-    start = 0
-    state = latest_state(ckpt_dir, fp)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        stepper.load_state_dict(state["stepper"])
-        sampler.load(state["sampler"])
-        set_rng_state(state["rng"])
-        history = list(state["history"])
-        start = int(state["step"])
-        log.info("resuming SFT from step %d (%s)", start, ckpt_dir)
-    live = open_live(live_dir, start)
     steps = cfg.optim.max_steps
+    ckpt = Checkpointer(ckpt_dir, fp, {"model": model, "stepper": stepper, "sampler": sampler},
+                        every=cfg.checkpoint_every, last=steps, keep=cfg.keep_checkpoints, label="SFT")
+    start, state = ckpt.resume()
+    history = list(state.get("history", history))
+    live = open_live(live_dir, start)
     stopped = 0 < start < steps and _stop(until, model, start)  # the check a killed run may not have finished
     model.train()
     t_data = t_total = 0.0
@@ -179,14 +173,9 @@ def train_sft(
         if on_step is not None:
             on_step(step, row)
         done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == steps:
-            save_state(ckpt_dir, done, {
-                "fingerprint": fp, "step": done, "model": model.state_dict(), "stepper": stepper.state_dict(),
-                "sampler": sampler.state(), "rng": rng_state(), "history": history, "config": asdict(cfg),
-            }, keep=cfg.keep_checkpoints)
-            if done < steps and _stop(until, model, done):
-                stopped = True
-                break
+        if ckpt.step_done(done, history=history, config=asdict(cfg)) and done < steps and _stop(until, model, done):
+            stopped = True
+            break
     bar.close()
     if live is not None:
         live.end()

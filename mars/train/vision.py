@@ -7,7 +7,7 @@ What it does
     merged image tokens, the stand-in for the language model's attention to the image, then one linear head per
     attribute: fill colour, shape, letter or none, pattern or none) is trained jointly with the tower by AdamW on the
     sum of the heads' cross-entropies, then thrown away; only the tower and projector keep what they learned. The
-    images are zoom crops (:func:`mars.synth.captions.zoom_crop`: a new random emblem, of no entity, on a
+    images are zoom crops (:func:`mars.train.captions.zoom_crop`: a new random emblem, of no entity, on a
     target-zone crop at the world's scale), so the tower learns to read an emblem at the size a zoom shows it.
     Batches are a seeded function of the step; checkpoints every ``checkpoint_every`` steps (tower, heads,
     optimizer, step, history) with the run's fingerprint, so a killed run resumes to the same weights as an
@@ -19,7 +19,7 @@ Why (and the deviation from the paper)
     The paper's policy starts from Qwen2.5-VL, whose vision encoder was pre-trained on billions of images and reads
     shapes and letters. The embedded default's tower is random-init, and learning to read through the language model's
     next-token loss did not happen in the SFT budget (2,000 zoom captions in the localisation block: perception at the
-    multiple-choice guess; docs/findings.md). Measured with ``bench/probe_read.py``: even this direct classification
+    multiple-choice guess; docs/findings.md). Measured with ``probes/probe_read.py``: even this direct classification
     loss leaves shape, letter and pattern at chance at ``sft.vision_lr`` (2e-3, 800 steps, at 96x2 and at 192x4); at
     5e-4 it learns shape and pattern after a phase change of hundreds of steps, letters not at all; the fill colour is
     read at 2e-3 within 200 steps (with emblems 0.05 of the scene: 23% of held-out crops at the default zone, 51% at
@@ -34,7 +34,7 @@ Why (and the deviation from the paper)
     (a pretrained checkpoint's tower).
     Localisation: the sft stage's localisation block teaches the first zoom through the language model's loss, and
     whether the tower found the frame that way varied between runs (30-79 of 80 held-out scenes framed with the same
-    block; docs/findings.md). Taught directly (``bench/probe_locate.py``: 100% of held-out scenes in 100-150 steps at
+    block; docs/findings.md). Taught directly (``probes/probe_locate.py``: 100% of held-out scenes in 100-150 steps at
     2e-3), the tower sees the frame before the block starts (``sft.vision_locate_steps``, on by default;
     docs/findings.md). A pretrained tower (the paper's) needs neither.
 
@@ -53,7 +53,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mars.train.checkpoint import latest_state, save_state
+from mars.train.data import PackedPixels, pack_pixels, unpack_pixels
+from mars.train.checkpoint import Checkpointer
 from mars.world.emblems import GLYPHS, PALETTE, PATTERNS, SHAPES
 
 __all__ = ["HEADS", "ReadHeads", "VisionPretrainConfig", "cell_data", "cell_heads", "emblem_labels", "pixel_batch",
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 HEADS: dict[str, int] = {"colour": len(PALETTE), "shape": len(SHAPES), "glyph": len(GLYPHS) + 1,
                          "pattern": len(PATTERNS) + 1}
 NONE_LAST = frozenset({"glyph", "pattern"})  # heads whose last class means "none drawn" (not scored)
-Labelled = tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]  # (pixel_values, image_grid_thw [1, 3], one per head)
+Labelled = tuple[PackedPixels | torch.Tensor, torch.Tensor, tuple[int, ...]]  # (pixel values, image_grid_thw [1, 3], label per head)
 
 
 def cell_heads(grid_rows: int, grid_cols: int) -> dict[str, int]:
@@ -104,10 +105,10 @@ class ReadHeads(torch.nn.Module):
 
 
 def zoom_read_data(scene, proc, n: int, seed: int, max_side: int | None = None) -> list[Labelled]:
-    """``n`` labelled zoom crops (:func:`mars.synth.captions.zoom_crop` on ``scene``, a
-    :class:`~mars.world.scenes.SceneConfig`) in ``proc``'s view; pixel values are kept in float16 (half the memory:
-    4,000 crops in the 224-px view hold about 2 GB)."""
-    from mars.synth.captions import ZOOM_LONG_SIDE, zoom_crop
+    """``n`` labelled zoom crops (:func:`mars.train.captions.zoom_crop` on ``scene``, a
+    :class:`~mars.world.scenes.SceneConfig`) in ``proc``'s view; pixel values are kept packed
+    (:func:`mars.train.data.pack_pixels`: 4,000 crops in the 224-px view hold about 0.6 GB, 4.8 GB in float32)."""
+    from mars.train.captions import ZOOM_LONG_SIDE, zoom_crop
 
     if n < 0:
         raise ValueError(f"the number of vision pre-training images must be >= 0, got {n}")
@@ -116,17 +117,17 @@ def zoom_read_data(scene, proc, n: int, seed: int, max_side: int | None = None) 
     for _ in tqdm(range(n), desc="drawing zoom crops", unit="img", leave=False):
         img, spec = zoom_crop(scene, rng, max_side or ZOOM_LONG_SIDE)
         ip = proc.image_processor(images=[img], return_tensors="pt")
-        out.append((ip["pixel_values"].to(torch.float16), ip["image_grid_thw"], emblem_labels(spec)))
+        out.append((_packed(ip["pixel_values"], proc), ip["image_grid_thw"], emblem_labels(spec)))
     return out
 
 
 def cell_data(dialogues: list[list[dict]], proc, grid_rows: int, grid_cols: int) -> list[Labelled]:
-    """The localisation drills among ``dialogues`` (:func:`mars.synth.locate.locate_dialogues`: a scene, then a zoom
+    """The localisation drills among ``dialogues`` (:func:`mars.train.locate.locate_dialogues`: a scene, then a zoom
     call) as labelled images in ``proc``'s view: the label is the cell the teacher's zoom chose (:func:`cell_heads`);
-    dialogues whose reply is not a zoom on image 0 (zoom captions) are skipped. Pixels in float16, as
+    dialogues whose reply is not a zoom on image 0 (zoom captions) are skipped. Pixels packed, as
     :func:`zoom_read_data`."""
     from mars.agent.protocol import parse_turn
-    from mars.synth.locate import zoom_cell
+    from mars.train.locate import zoom_cell
 
     out: list[Labelled] = []
     for d in tqdm(dialogues, desc="labelling localisation drills", unit="img", leave=False):
@@ -140,14 +141,18 @@ def cell_data(dialogues: list[list[dict]], proc, grid_rows: int, grid_cols: int)
         if cell is None:
             continue  # not a zoom on image 0 (a zoom caption)
         ip = proc.image_processor(images=images[:1], return_tensors="pt")
-        out.append((ip["pixel_values"].to(torch.float16), ip["image_grid_thw"], (cell[0] * grid_cols + cell[1],)))
+        out.append((_packed(ip["pixel_values"], proc), ip["image_grid_thw"], (cell[0] * grid_cols + cell[1],)))
     return out
+
+
+def _packed(pixel_values: torch.Tensor, proc):
+    return pack_pixels(pixel_values, 3, proc.image_processor.temporal_patch_size)
 
 
 def pixel_batch(items: list[Labelled]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pixel_values [sum of patches, C] in float32, image_grid_thw [B, 3], labels [B, heads]) of labelled
     images."""
-    return (torch.cat([b[0] for b in items]).float(), torch.cat([b[1] for b in items]),
+    return (torch.cat([unpack_pixels(b[0]) for b in items]).float(), torch.cat([b[1] for b in items]),
             torch.tensor([b[2] for b in items], dtype=torch.long))
 
 
@@ -182,7 +187,7 @@ def read_accuracy(visual: torch.nn.Module, heads: ReadHeads, data: list[Labelled
 class VisionPretrainConfig:
     steps: int = 2000
     batch_size: int = 16
-    lr: float = 5e-4  # measured: 2e-3 (sft.vision_lr) stays at chance (bench/probe_read.py, docs/findings.md)
+    lr: float = 5e-4  # measured: 2e-3 (sft.vision_lr) stays at chance (probes/probe_read.py, docs/findings.md)
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     seed: int = 0
@@ -210,14 +215,11 @@ def pretrain_vision(visual: torch.nn.Module, data: list[Labelled], cfg: VisionPr
     params = list(visual.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)  # constant rate, no clipping: as measured
     history: list[float] = []
-    start = 0
-    state = latest_state(ckpt_dir, fp)
-    if state is not None:
-        visual.load_state_dict(state["visual"])
-        heads.load_state_dict(state["heads"])
-        opt.load_state_dict(state["opt"])
-        history, start = list(state["history"]), int(state["step"])
-        log.info("resuming vision pre-training from step %d (%s)", start, ckpt_dir)
+    # no RNG state: a step's batch is a function of the step
+    ckpt = Checkpointer(ckpt_dir, fp, {"visual": visual, "heads": heads, "opt": opt}, every=cfg.checkpoint_every,
+                        last=cfg.steps, keep=cfg.keep_checkpoints, rng=False, label="vision pre-training")
+    start, state = ckpt.resume()
+    history = list(state.get("history", history))
     visual.train()
     heads.train()
     t0 = time.perf_counter()
@@ -236,11 +238,7 @@ def pretrain_vision(visual: torch.nn.Module, data: list[Labelled], cfg: VisionPr
         history.append(float(loss.detach()))
         bar.set_postfix(loss=f"{history[-1]:.3f}")
         done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            save_state(ckpt_dir, done, {"fingerprint": fp, "step": done, "visual": visual.state_dict(),
-                                        "heads": heads.state_dict(), "opt": opt.state_dict(),
-                                        "history": history, "config": asdict(cfg)},
-                       keep=cfg.keep_checkpoints)
+        ckpt.step_done(done, history=history, config=asdict(cfg))
     bar.close()
     k = max(1, min(50, len(history) // 5))
     acc = read_accuracy(visual, heads, data[:500])

@@ -28,6 +28,7 @@ import yaml
 from mars.agent.config import AgentParams
 from mars.model.build import build_model, load_checkpoint
 from mars.params import ParamsError, load_params
+from mars.train import cold_start, drawing
 from mars.world.questions import asked_attribute, asked_attributes
 from stages import curate, evaluate, index, sft, synthesize, world
 from tests.conftest import REPO, sh, sub_env
@@ -359,20 +360,20 @@ def test_sft_emblem_colours_world_colours_the_drawn_emblems_as_the_worlds(built,
     scene = world.world_spec(load_params("world", world.Params, b.params)).scene_config()
     assert scene.schemes == ()
     palette = load_params("sft", sft.Params, b.params)
-    assert palette.emblem_colours == "palette" and sft.world_colours(palette, scene, b.tmp / "world") is scene
+    assert palette.emblem_colours == "palette" and drawing.world_colours(palette, scene, b.tmp / "world") is scene
     own = load_params("sft", sft.Params, write_params(tmp_path, "wc", profile={"sft": {"emblem_colours": "world"}}))
-    coloured = sft.world_colours(own, scene, b.tmp / "world")
+    coloured = drawing.world_colours(own, scene, b.tmp / "world")
     emblems = [json.loads(r["emblem"]) for r in pq.read_table(b.tmp / "world/entities.parquet").to_pylist()]
     assert set(coloured.schemes) == {(e["fill"], e["border"], e["accent"]) for e in emblems}
     assert len(coloured.schemes) == 2 and replace(coloured, schemes=()) == scene
-    assert sft.world_colours(own, None, b.tmp / "world") is None  # no drawing, nothing to colour
+    assert drawing.world_colours(own, None, b.tmp / "world") is None  # no drawing, nothing to colour
     table = pq.read_table(b.tmp / "world/entities.parquet")
     (tmp_path / "plain").mkdir()
     pq.write_table(table.set_column(table.schema.get_field_index("emblem"), table.schema.field("emblem"),
                                     pa.array([""] * table.num_rows)), tmp_path / "plain/entities.parquet")
     with pytest.raises(ValueError, match=r"sft.emblem_colours = world colours the drawn emblems as the world's "
                                          r"entities are, but .*plain/entities.parquet has no emblems"):
-        sft.world_colours(own, scene, tmp_path / "plain")
+        drawing.world_colours(own, scene, tmp_path / "plain")
     with pytest.raises(ValueError, match=r"sft.emblem_colours must be one of \('palette', 'world'\), got 'all'"):
         load_params("sft", sft.Params, write_params(tmp_path, "bad", profile={"sft": {"emblem_colours": "all"}}))
 
@@ -380,7 +381,7 @@ def test_sft_emblem_colours_world_colours_the_drawn_emblems_as_the_worlds(built,
 def test_play_and_draw_takes_one_or_two_workers_only(tmp_path):
     params = load_params("sft", sft.Params, write_params(tmp_path, "w", profile={}))
     with pytest.raises(ValueError, match="workers must be 1 or 2, got 3"):
-        sft.play_and_draw(params, None, {}, [], None, "S", None, workers=3)
+        drawing.play_and_draw(params, None, {}, [], None, "S", None, workers=3)
 
 
 def test_sft_phase_knobs_key_their_phase_and_the_later_ones(tmp_path):
@@ -390,24 +391,24 @@ def test_sft_phase_knobs_key_their_phase_and_the_later_ones(tmp_path):
     p = params(batch_size=12, lr=0.003, pretrain_steps=30, pretrain_drills=8, pretrain_locate=16, locate_steps=10)
     assert (p.pretrain_config().batch_size, p.locate_config().batch_size, p.train_config().batch_size) == (12, 12, 12)
     assert p.pretrain_config().optim.lr == p.train_config().optim.lr == 0.003  # one rate, one batch size for all
-    # each phase's own knobs enter its key and the later ones' only (stages.sft.phase_keys)
-    keys = {k: sft.phase_keys(params(**{"batch_size": 16, k: v}), ("same",), {}) for k, v in
+    # each phase's own knobs enter its key and the later ones' only (stages.cold_start.phase_keys)
+    keys = {k: cold_start.phase_keys(params(**{"batch_size": 16, k: v}), ("same",), {}) for k, v in
             (("batch_size", 16), ("pretrain_steps", 4), ("locate_mix", 0.5), ("max_steps", 7))}
-    base = sft.phase_keys(params(batch_size=16), ("same",), {})
-    changed = {k: [p for p in sft.PHASES if v[p] != base[p]] for k, v in keys.items()}
+    base = cold_start.phase_keys(params(batch_size=16), ("same",), {})
+    changed = {k: [p for p in cold_start.PHASES if v[p] != base[p]] for k, v in keys.items()}
     assert changed == {"batch_size": [], "pretrain_steps": ["pretrain", "locate_frame", "locate", "train"],
                        "locate_mix": ["locate_frame", "locate", "train"], "max_steps": ["train"]}
-    assert sft.phase_keys(params(), ("other",), {})["vision"] != sft.phase_keys(params(), ("same",), {})["vision"]
-    with_block = sft.phase_keys(params(batch_size=16), ("same",), {"locate": ["d"]})
-    assert [p for p in sft.PHASES if with_block[p] != base[p]] == ["locate", "train"]
+    assert cold_start.phase_keys(params(), ("other",), {})["vision"] != cold_start.phase_keys(params(), ("same",), {})["vision"]
+    with_block = cold_start.phase_keys(params(batch_size=16), ("same",), {"locate": ["d"]})
+    assert [p for p in cold_start.PHASES if with_block[p] != base[p]] == ["locate", "train"]
     # the block's frame stage (sft.locate_frame_steps): its knobs rerun both stages, the second stage's only itself
     block = {"batch_size": 16, "pretrain_locate": 16, "pretrain_zoom_captions": 8, "locate_steps": 10}
-    staged = sft.phase_keys(params(**block, locate_frame_steps=5, locate_frame_captions=2), ("same",), {})
+    staged = cold_start.phase_keys(params(**block, locate_frame_steps=5, locate_frame_captions=2), ("same",), {})
     for k, v, phases in (("locate_frame_captions", 4, ["locate_frame", "locate", "train"]),
                          ("locate_steps", 12, ["locate", "train"])):
-        other = sft.phase_keys(params(**{**block, "locate_frame_steps": 5, "locate_frame_captions": 2, k: v}),
+        other = cold_start.phase_keys(params(**{**block, "locate_frame_steps": 5, "locate_frame_captions": 2, k: v}),
                                ("same",), {})
-        assert [p for p in sft.PHASES if other[p] != staged[p]] == phases, k
+        assert [p for p in cold_start.PHASES if other[p] != staged[p]] == phases, k
 
 
 def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp_path):
@@ -418,8 +419,8 @@ def test_sft_localisation_block_holds_the_drills_phase_one_would_have(built, tmp
     def dialogues(**kw):
         p = load_params("sft", sft.Params, write_params(tmp_path, "blk", profile={"sft": {**base, **kw}}))
         qs = pq.read_table(b.sft_in["questions"]).to_pylist()
-        return (sft.pretrain_dialogues(p, b.agent, b.sft_in["world_dir"], b.sft_in["index_dir"], qs, scene, "S"),
-                sft.locate_block_dialogues(p, scene, "S", asked_attributes(qs)))  # as the stage draws them
+        return (drawing.pretrain_dialogues(p, b.agent, b.sft_in["world_dir"], b.sft_in["index_dir"], qs, scene, "S"),
+                drawing.locate_block_dialogues(p, scene, "S", asked_attributes(qs)))  # as the stage draws them
 
     mixed, none = dialogues()
     apart, block = dialogues(locate_steps=6)
@@ -521,7 +522,7 @@ def _states(ckpt: Path) -> dict[str, int]:
 
 
 def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
-    """Each phase's checkpoints are keyed by everything up to it (``sft.phase_keys``): rerun into the same
+    """Each phase's checkpoints are keyed by everything up to it (``cold_start.phase_keys``): rerun into the same
     directories with a phase-2 knob changed (``max_steps``), phases 0, 1 and the block are restored from their last
     checkpoints (the files untouched, their metrics the same) and phase 2 starts from their weights (its first loss,
     taken before any update on the same first batch, equal); with a phase-1 knob changed (``pretrain_steps``) phase 0

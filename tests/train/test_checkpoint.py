@@ -80,3 +80,29 @@ def test_load_model_weights_takes_a_states_model_entry_and_rejects_other_files(t
     torch.save({"w": torch.ones(2)}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="no 'model' entry"):
         load_model_weights(fresh, tmp_path / "other.pt")
+
+
+def test_checkpointer_saves_when_due_and_resumes_every_part(tmp_path: Path) -> None:
+    """Every 2 steps and at the last (5): steps 2, 4 and 5 save, 1 and 3 do not; with keep=2 steps 4 and 5 stay.
+    A resume loads the module, the sampler and the RNG state of step 5 and hands back the extras."""
+    from mars.train.checkpoint import Checkpointer
+    from mars.train.data import EpochSampler
+
+    model, sampler = torch.nn.Linear(2, 1), EpochSampler(10, 3, seed=0)
+    ckpt = Checkpointer(tmp_path, "fp-a", {"model": model, "sampler": sampler}, every=2, last=5, label="test")
+    assert ckpt.resume() == (0, {})
+    saved = []
+    for done in range(1, 6):
+        sampler.next()
+        saved.append(ckpt.step_done(done, history=[done]))
+    assert saved == [False, True, False, True, True]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000005"]
+    weights, position, draw = model.weight.detach().clone(), sampler.state(), torch.rand(3)
+
+    fresh, fresh_sampler = torch.nn.Linear(2, 1), EpochSampler(10, 3, seed=0)
+    again = Checkpointer(tmp_path, "fp-a", {"model": fresh, "sampler": fresh_sampler}, every=2, last=5)
+    start, state = again.resume()
+    assert start == 5 and state["history"] == [5]
+    assert torch.equal(fresh.weight, weights) and fresh_sampler.state() == position == {"epoch": 1, "offset": 5}
+    assert torch.equal(torch.rand(3), draw)  # the generators are where they were when step 5 was saved
+    assert Checkpointer(tmp_path, "fp-b", {"model": fresh}, every=2, last=5).resume() == (0, {})

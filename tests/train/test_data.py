@@ -99,24 +99,47 @@ def test_sampler_rejects_bad_grouping():
         EpochSampler(10, 4, seed=0, lengths=[1] * 9, group_batches=2)
 
 
-def test_rendered_pixels_are_kept_half_size_and_batched_as_float32():
-    """render_examples keeps pixel values in float16 (half the memory of a phase's pre-rendered images); collate
-    hands the model float32 holding the float16-rounded values, and text-only examples stay without pixels."""
+def test_rendered_pixels_are_kept_packed_and_batched_as_float32():
+    """render_examples keeps pixel values packed at one byte per value (an eighth of float32: 3 channels x 14 x 14
+    codes a patch against 3 x 2 x 14 x 14 float32 values); collate hands the model float32 holding exactly the
+    float16-rounded values, and text-only examples stay without pixels."""
     import torch
 
     from mars.model.chat import render
-    from mars.train.data import collate, render_examples
+    from mars.train.data import PackedPixels, collate, render_examples
     from tests.model.test_model import tiny_stack
     from tests.train.test_deepspeed import dialogues
 
     _, proc, _ = tiny_stack()
     kept = render_examples(dialogues(), proc, max_len=4096)
     full = [render(d, proc) for d in dialogues()]
-    assert kept[0].pixel_values.dtype == torch.float16 and full[0].pixel_values.dtype == torch.float32
-    assert kept[0].pixel_values.element_size() * 2 == full[0].pixel_values.element_size()
+    packed = kept[0].pixel_values
+    assert isinstance(packed, PackedPixels) and full[0].pixel_values.dtype == torch.float32
+    assert packed.codes.dtype == torch.uint8 and packed.codes.numel() * 8 == full[0].pixel_values.nbytes
     assert kept[1].pixel_values is None
     batch = collate(kept, proc.tokenizer.pad_token_id)
     pv = batch.inputs["pixel_values"]
     assert pv.dtype == torch.float32
     assert torch.equal(pv, full[0].pixel_values.half().float())
     assert float((pv - full[0].pixel_values).abs().max()) < 2e-3  # the normalised values lie within about +-2
+
+
+def test_pack_pixels_round_trips_and_keeps_what_it_cannot_pack_as_float16():
+    """Two patches of 2 channels x 2 temporal copies x 2 values: channel 0 holds the values 0.5 and -1, channel 1
+    holds 2; packed, channel 0's table starts [-1, 0.5] (torch.unique sorts) and its codes are [[1, 0], [0, 0]]."""
+    import torch
+
+    from mars.train.data import PackedPixels, pack_pixels, unpack_pixels
+
+    # a row is (C, T, P*P) = (2, 2, 2): the temporal copies repeat each channel's two values
+    pv = torch.tensor([[0.5, -1.0, 0.5, -1.0, 2.0, 2.0, 2.0, 2.0],
+                       [-1.0, -1.0, -1.0, -1.0, 2.0, 2.0, 2.0, 2.0]])
+    packed = pack_pixels(pv, channels=2, temporal=2)
+    assert isinstance(packed, PackedPixels) and packed.codes.shape == (2, 2, 2)
+    assert packed.table[0, :2].tolist() == [-1.0, 0.5] and packed.codes[:, 0].tolist() == [[1, 0], [0, 0]]
+    assert torch.equal(unpack_pixels(packed), pv.half())
+    unequal = pv.clone()
+    unequal[0, 2] = 0.25  # the second temporal copy differs: kept as float16
+    assert torch.equal(pack_pixels(unequal, 2, 2), unequal.half())
+    many = torch.linspace(-2, 2, 600).reshape(1, 600)  # 300 distinct values a channel (C=2, T=1): more than 256
+    assert torch.equal(unpack_pixels(pack_pixels(many, 2, 1)), many.half())

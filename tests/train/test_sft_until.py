@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mars.model.chat import render
-from mars.synth.locate import LocateCheck, held_out_drills, locate_dialogues, zoom_cell
+from mars.train.locate import LocateCheck, held_out_drills, locate_dialogues, zoom_cell
 from mars.train.optim import OptimConfig
 from mars.train.sft import SFTConfig, train_sft
 from mars.world.generate import WorldSpec
@@ -109,7 +109,7 @@ def test_locate_check_with_a_read_target_needs_the_frame_and_then_the_read(tmp_p
     after the teacher's zoom is the teacher's; the read is asked only once the frame holds, nothing before
     ``min_step``. Models: the tiny random-init one (frames nothing), one that memorised the held-out drill's zoom
     (frames it, reads nothing) and one that memorised the zoom and the answer (both)."""
-    from mars.synth.locate import held_out_reads
+    from mars.train.locate import held_out_reads
 
     _, proc, base = tiny_stack()
     scene = WorldSpec.smoke().scene_config()

@@ -12,8 +12,9 @@ import torch
 from mars.model.build import build_model, tiny_config
 from mars.model.processor import build_processor
 from mars.model.tokenizer import train_tokenizer
-from mars.synth.captions import zoom_crop
-from mars.synth.locate import locate_dialogues
+from mars.train.captions import zoom_crop
+from mars.train.data import unpack_pixels
+from mars.train.locate import locate_dialogues
 from mars.train.vision import (
     HEADS,
     ReadHeads,
@@ -68,7 +69,8 @@ def test_zoom_read_data_is_the_zoom_crops_in_the_view(stack):
     rng = np.random.default_rng([3, 71])
     specs = [zoom_crop(scene, rng)[1] for _ in range(6)]  # the same draw, the same order
     assert [d[2] for d in data] == [emblem_labels(s) for s in specs]
-    for pv, grid, _ in data:
+    for packed, grid, _ in data:
+        pv = unpack_pixels(packed)  # packed at a byte per value (mars.train.data.pack_pixels)
         assert pv.dtype == torch.float16 and grid.shape == (1, 3)
         assert int(grid.prod()) == pv.shape[0] and int(grid[0, 1] * grid[0, 2]) * 14 * 14 <= 112 * 112  # the view
     assert zoom_read_data(scene, proc, 0, seed=3) == []
@@ -176,7 +178,8 @@ def test_cell_data_labels_the_teachers_cell_and_skips_other_drills(stack):
     answered = [d for d in locate_dialogues(scene, n=6, seed=4, system="S", answer_share=1.0) if len(d) > 3]
     assert answered and [d[2] for d in cell_data(answered, proc, 2, 2)] == [
         (_box_cell(d[2]["content"], 2, 2),) for d in answered]
-    for pv, grid, _ in data:
+    for packed, grid, _ in data:
+        pv = unpack_pixels(packed)
         assert pv.dtype == torch.float16 and int(grid.prod()) == pv.shape[0]
     assert cell_heads(2, 3) == {"cell": 6}
     heads = ReadHeads(16, heads=cell_heads(2, 2))
@@ -215,7 +218,7 @@ def test_stage_params_for_phase_0_localisation():
 
 def test_locate_answers_reach_the_blocks_drills(stack):
     """sft.locate_answers: the block's perception drills go on to the crop and the answer (vision_drills)."""
-    from stages.sft import vision_drills
+    from mars.train.drawing import vision_drills
 
     _, _, scene = stack
     plain = vision_drills(Params(pretrain_locate=16, locate_steps=5), scene, "S")
@@ -237,11 +240,12 @@ def test_phase_two_groups_its_batches_and_the_earlier_phases_stay_shuffled():
 
 
 def test_locate_target_makes_the_block_stop_at_a_held_out_check():
-    """``locate_target`` > 0 gives the block a :class:`mars.synth.locate.LocateCheck` (held-out scenes drawn with
+    """``locate_target`` > 0 gives the block a :class:`mars.train.locate.LocateCheck` (held-out scenes drawn with
     another seed than the drills); 0 gives none; out-of-range knobs are errors."""
-    from mars.synth.locate import LocateCheck
+    from mars.train.locate import LocateCheck
     from mars.world.generate import WorldSpec
-    from stages.sft import locate_block_dialogues, locate_check
+    from mars.train.cold_start import locate_check
+    from mars.train.drawing import locate_block_dialogues
     from tests.model.test_model import tiny_stack
 
     _, proc, _ = tiny_stack()
@@ -278,10 +282,10 @@ def test_locate_target_makes_the_block_stop_at_a_held_out_check():
 
 def test_the_blocks_frame_stage_holds_its_drills_and_the_first_captions():
     """``locate_frame_steps`` > 0: the block's frame stage trains on its localisation drills and the first
-    ``locate_frame_captions`` of its zoom captions (:func:`stages.sft.frame_stage_dialogues`), the second stage on
+    ``locate_frame_captions`` of its zoom captions (:func:`mars.train.drawing.frame_stage_dialogues`), the second stage on
     all of them; its knobs are checked."""
     from mars.world.generate import WorldSpec
-    from stages.sft import frame_stage_dialogues, locate_block_dialogues
+    from mars.train.drawing import frame_stage_dialogues, locate_block_dialogues
 
     scene = WorldSpec.smoke().scene_config()
     p = Params(pretrain_locate=4, pretrain_zoom_captions=3, locate_steps=5, locate_frame_steps=4,
@@ -306,10 +310,10 @@ def test_the_blocks_frame_stage_holds_its_drills_and_the_first_captions():
 
 
 def test_phase_one_gets_a_held_out_copy_score():
-    """Phase 1's held-out drills get a :class:`mars.synth.drills.CopyCheck` that scores the last weights (never a
+    """Phase 1's held-out drills get a :class:`mars.train.drills.CopyCheck` that scores the last weights (never a
     stopping rule: nothing to ask during training); no drills, no score."""
-    from mars.synth.drills import CopyCheck
-    from stages.sft import copy_check
+    from mars.train.drills import CopyCheck
+    from mars.train.cold_start import copy_check
     from tests.model.test_model import tiny_stack
 
     _, proc, _ = tiny_stack()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mars.agent.protocol import parse_turn
-from mars.synth.locate import locate_dialogues, located_cell, zoom_cell, zooms_on_scene
+from mars.train.locate import locate_dialogues, located_cell, zoom_cell, zooms_on_scene
 from mars.world.generate import WorldSpec
 from mars.world.scenes import CUE_COLOUR
 from mars.world.questions import (ATTRIBUTES, FRAMED_SUBJECT, MULTIHOP_SUBJECT, PERCEPTION_QUESTIONS, asked_attribute,
@@ -174,8 +174,8 @@ def test_answered_drills_are_whole_perception_episodes_about_the_target():
 
 
 def test_held_out_reads_end_at_the_crop_and_keep_the_teachers_answer():
-    """bench/probe_block.py --read: n answered perception drills cut before the answer, with the answer kept."""
-    from mars.synth.locate import held_out_reads
+    """probes/probe_block.py --read: n answered perception drills cut before the answer, with the answer kept."""
+    from mars.train.locate import held_out_reads
 
     scene = WorldSpec().scene_config()
     prompts, answers = held_out_reads(scene, 10, seed=7, system="S", attributes=["colour", "glyph"])
@@ -193,7 +193,7 @@ def test_held_out_reads_end_at_the_crop_and_keep_the_teachers_answer():
 def test_held_out_reads_with_mcq_share_zero_ask_open_questions_only():
     """The localisation check's reads (``mcq_share`` 0): every answer is the value read from the crop, never an
     option's letter; the default mixes both forms."""
-    from mars.synth.locate import held_out_reads
+    from mars.train.locate import held_out_reads
 
     scene = WorldSpec().scene_config()
     _, open_answers = held_out_reads(scene, 12, seed=7, system="S", attributes=["colour"], mcq_share=0.0)
@@ -208,8 +208,8 @@ def test_drills_and_their_reads_colour_new_emblems_with_the_scenes_schemes():
     check asks name only their fills; without schemes the drills draw the whole palette."""
     from dataclasses import replace
 
-    from mars.synth.captions import zoom_crop
-    from mars.synth.locate import held_out_reads
+    from mars.train.captions import zoom_crop
+    from mars.train.locate import held_out_reads
     from mars.world.emblems import COLOUR_NAMES, PALETTE
 
     # navy on white; yellow on black with purple

@@ -228,7 +228,7 @@ def copied(text: str, reference: str) -> bool:
 
 def scored_once(history: list[tuple[int, float]], step: int, score: Callable[[], float]) -> float:
     """A stopping check's share at ``step``: ``score()`` recorded in ``history`` as (step, share), unless its last
-    entry is already that step's (:class:`CopyCheck`, :class:`mars.synth.locate.LocateCheck`: the stage's metric
+    entry is already that step's (:class:`CopyCheck`, :class:`mars.train.locate.LocateCheck`: the stage's metric
     after a phase reuses the check its last step just ran)."""
     if not history or history[-1][0] != step:
         history.append((step, round(score(), 4)))

@@ -8,7 +8,7 @@ import pytest
 
 from mars.agent.protocol import format_answer, format_tool_call, parse_turn
 from mars.agent.teacher import titles_from_observation
-from mars.synth.drills import CopyCheck, copied, drill_kind, reading_drills
+from mars.train.drills import CopyCheck, copied, drill_kind, reading_drills
 from tests.agent.test_oracle import smoke  # noqa: F401  (module fixture: smoke world, questions, tools)
 
 

@@ -11,7 +11,7 @@ from mars.world.generate import WorldSpec
 
 
 def test_zoom_captions_show_a_new_emblem_at_the_zooms_scale():
-    from mars.synth.captions import ZOOM_LONG_SIDE, zoom_captions
+    from mars.train.captions import ZOOM_LONG_SIDE, zoom_captions
     from mars.world.emblems import GLYPHS, PATTERNS, SHAPES
     from mars.world.questions import FRAMED_SUBJECT
 
@@ -59,7 +59,7 @@ def test_zoom_captions_show_a_new_emblem_at_the_zooms_scale():
 
 
 def test_zoom_captions_ask_only_the_given_attributes():
-    from mars.synth.captions import zoom_captions
+    from mars.train.captions import zoom_captions
     from mars.world.questions import asked_attribute
 
     scene = WorldSpec().scene_config()
@@ -79,7 +79,7 @@ def test_zoom_captions_name_only_the_scenes_scheme_fills():
     from collections import Counter
     from dataclasses import replace
 
-    from mars.synth.captions import zoom_captions
+    from mars.train.captions import zoom_captions
     from mars.world.emblems import PALETTE
 
     scene = replace(WorldSpec().scene_config(), schemes=((PALETTE[2], PALETTE[13], None),

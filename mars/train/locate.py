@@ -13,7 +13,7 @@ What it does
     and the agentic trajectories teach the rest. With ``answer_share`` > 0 (``sft.locate_answers``) that share of
     the perception drills are whole perception episodes: the zoom's observation as the zoom tool words it
     (:func:`mars.tools.toolbox.zoom_text`) with a crop of the framed emblem drawn at a zoom's scale
-    (:func:`mars.synth.captions.zoom_crop`; the drawn scene is too small to crop it from) and the teacher's answer,
+    (:func:`mars.train.captions.zoom_crop`; the drawn scene is too small to crop it from) and the teacher's answer,
     the target's own value, so localisation and reading are practised in the episode's own context.
 
 Deviation from the paper (and why)
@@ -26,7 +26,7 @@ Deviation from the paper (and why)
     for a pretrained ``init_checkpoint``).
 
     Measured (docs/findings.md): with the old ``sft.vision_lr`` of 0.01 they did not teach the framed cell (the tower
-    stayed at chance: ``bench/probe_locate.py`` shows a random-init tower never leaves 25% at 0.01 and reaches 100% of
+    stayed at chance: ``probes/probe_locate.py`` shows a random-init tower never leaves 25% at 0.01 and reaches 100% of
     held-out scenes in about 150 steps at 1e-3 .. 3e-3). At 0.002, 400 steps of these drills alone put 43-46 of 80 first
     zooms on new scenes in the framed cell (chance 20). Mixed into phase 1 they did not carry over (25 of 80 test scenes
     after the pipeline); in a block of their own after phase 1 (``sft.locate_steps``: 600 steps on 2,000 drills) the SFT
@@ -48,7 +48,7 @@ import numpy as np
 from mars.agent.oracle import zone_zoom_box
 from mars.agent.protocol import format_tool_call
 from mars.agent.teacher import THINK, ZOOM_LABEL, asked_word
-from mars.synth.drills import scored_once
+from mars.train.drills import scored_once
 from mars.world.emblems import random_emblem
 from mars.world.questions import (ATTRIBUTES, FACT_QUESTIONS, FACTS, FRAMED_SUBJECT, MULTIHOP_SUBJECT,
                                   PERCEPTION_QUESTIONS, attribute_value, check_attributes, question_text)
@@ -76,7 +76,7 @@ def locate_dialogues(
     """``n`` dialogues ``[system?, user: scene + question, assistant: the zoom call]``; see the module docstring.
     With ``answer_share`` > 0 that share of the perception drills (asking an attribute the target emblem has) go on
     to the zoom's observation (the toolbox's text and a crop of the target emblem at a zoom's scale,
-    :func:`mars.synth.captions.zoom_crop`) and the teacher's answer turn: whole perception episodes on new scenes
+    :func:`mars.train.captions.zoom_crop`) and the teacher's answer turn: whole perception episodes on new scenes
     (the question then asks about the target's real value). The scenes drawn do not depend on it.
 
     ``scene``: the world's scene knobs (:meth:`mars.world.generate.WorldSpec.scene_config`); its long-side bounds
@@ -152,7 +152,7 @@ def _answer_turns(scene: SceneConfig, answered: tuple, target: dict, box: list[i
     choices)."""
     from mars.agent.oracle import final_turn
     from mars.agent.protocol import format_tool_response
-    from mars.synth.captions import zoom_crop
+    from mars.train.captions import zoom_crop
     from mars.tools.toolbox import zoom_text
 
     attr, value, choices = answered

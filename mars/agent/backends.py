@@ -3,16 +3,20 @@
 What it does
     - :class:`OpenAIBackend` implements :class:`~mars.agent.engine.PolicyBackend` over ``POST {base_url}/chat/completions``
       (vLLM ``serve``, our own ``mars.serve`` server, hosted API models). Each dialogue of a batch is one request;
-      requests run concurrently in a thread pool bounded by ``concurrency`` over one shared ``httpx.Client``.
+      requests run concurrently in a thread pool bounded by ``concurrency`` over one shared
+      :class:`mars.llm_client.ChatClient` (the ``openai`` package).
       Images go as ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``; the request
       asks for ``logprobs: true`` and stops at ``</tool_call>`` and ``</answer>``. Servers that strip the matched
       stop string (vLLM, OpenAI) get it re-appended: from ``stop_reason`` when the server names it (vLLM),
       otherwise by closing the action tag left open at the end of the text. Per-token ``logprobs`` are parsed from
       ``choices[0].logprobs.content``; ``token_ids`` from ``choices[0].token_ids`` (newer vLLM with
       ``return_token_ids``) or from tokens rendered as ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``,
-      sent when ``token_ids=True``); otherwise ``None``. Network errors, 429 and 5xx are retried ``retries`` times
-      with exponential backoff; a request that still fails becomes ``Generation("", finish_reason="error")``
-      (the engine ends that episode as ``backend_error``) and is counted in ``self.errors``; a batch never raises.
+      sent when ``token_ids=True``); otherwise ``None``. vLLM's fields beyond OpenAI's schema travel through the
+      client (``extra_body`` out; ``stop_reason`` and ``token_ids`` back). Network errors, timeouts (``timeout_s``
+      per attempt), 429 and 5xx are retried ``retries`` times with exponential backoff ``backoff_s * 2**k``; a
+      request that still fails (or is refused with another 4xx, or answered with no chat completion) becomes
+      ``Generation("", finish_reason="error")`` (the engine ends that episode as ``backend_error``) and its error
+      line is appended to ``self.errors``; a batch never raises.
       Dialogue ``i`` of a batch is sent with ``seed + i`` (so the samples of a GRPO group differ); every image is
       PNG-encoded once and its data URL reused on later turns (a cache keyed by the live image object).
     - :class:`ScriptedBackend` calls ``policy(dialogue) -> str`` per dialogue (no token ids, no logprobs) and
@@ -32,15 +36,14 @@ from __future__ import annotations
 import base64
 import io
 import threading
-import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-import httpx
 from PIL import Image
 
 from mars.agent.engine import Generation
+from mars.llm_client import ChatClient, LLMError
 
 __all__ = ["OpenAIBackend", "ScriptedBackend", "STOP_SEQUENCES", "to_openai_messages", "close_stop"]
 
@@ -127,7 +130,6 @@ class OpenAIBackend:
     ) -> None:
         if concurrency < 1 or retries < 0:
             raise ValueError(f"need concurrency >= 1 and retries >= 0, got {concurrency}, {retries}")
-        self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.retries = retries
         self.concurrency = concurrency
@@ -135,17 +137,19 @@ class OpenAIBackend:
         self.token_ids = token_ids
         self.backoff_s = backoff_s
         self.extra_body = dict(extra_body or {})
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(
-            timeout=timeout_s, headers=headers,
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-        )
+        self.llm = ChatClient(base_url, api_key=api_key, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+                              name="policy endpoint")
+        self.url = self.llm.url
         self._lock = threading.Lock()
         self.errors: list[str] = []
-        self.requests = 0
+
+    @property
+    def requests(self) -> int:
+        """HTTP requests sent, retries included."""
+        return self.llm.calls + self.llm.retries_done
 
     def close(self) -> None:
-        self._client.close()
+        self.llm.close()
 
     def __enter__(self) -> OpenAIBackend:
         return self
@@ -171,28 +175,12 @@ class OpenAIBackend:
         return body
 
     def _one(self, body: dict) -> Generation:
-        last = "no attempt"
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                with self._lock:
-                    self.requests += 1
-                r = self._client.post(self.url, json=body)
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if r.status_code == 429 or r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-                continue
-            if r.status_code >= 400:
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-                break  # a client error does not get better by retrying
-            try:
-                return self._parse(r.json())
-            except (ValueError, KeyError, IndexError, TypeError) as exc:
-                last = f"bad response: {type(exc).__name__}: {exc}"
-                break
+        try:
+            return self._parse(self.llm.complete(body))
+        except LLMError as exc:
+            last = str(exc)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            last = f"{self.url} answered with a bad chat completion: {type(exc).__name__}: {exc}"
         with self._lock:
             self.errors.append(last)
         return Generation(text="", token_ids=None, logprobs=None, finish_reason="error")

@@ -18,9 +18,10 @@ Rules, with their failure reasons:
   (``too_many_redirects``), and only to http/https targets (``bad_redirect``);
 - connect errors, timeouts (``timeout_s`` for connect, read, write and pool), transport
   errors, HTTP 5xx and 429 are retried ``retries`` times (so ``1 + retries`` attempts) with
-  exponential backoff ``backoff_s * 2**attempt`` (a ``Retry-After`` in seconds is honoured,
-  capped at 30 s); other 4xx are not retried. Exhausted: ``timeout``, ``connect_error``,
-  ``network_error`` or ``http_status`` (detail: the status line and attempt count);
+  exponential backoff ``backoff_s * 2**attempt`` (a longer ``Retry-After``, in seconds or an
+  HTTP date, is honoured, capped at 30 s): the policy of :func:`mars.retry.retrying`; other
+  4xx are not retried. Exhausted: ``timeout``, ``connect_error``, ``network_error`` or
+  ``http_status`` (detail: the status line and attempt count);
 - the body must be at most ``max_bytes``: refused up front when ``Content-Length``
   declares more, otherwise aborted while streaming as soon as the count exceeds it
   (``too_large``);
@@ -41,12 +42,10 @@ Tests: ``python -m pytest tests/curate/test_download.py`` (a real local HTTP ser
 from __future__ import annotations
 
 import contextlib
-import email.utils
 import hashlib
 import os
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +57,10 @@ from tqdm import tqdm
 from mars.curate.probe import extension_for, sniff_format
 from mars.data.schemas import DOWNLOAD_FAILURES as FAILURES
 from mars.data.schemas import RAW_IMAGES
+from mars.retry import retry_after_s, retrying
 
 ALLOWED_SCHEMES = frozenset({"http", "https"})
 MAX_REDIRECTS = 5
-RETRY_AFTER_CAP_S = 30.0
 _REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 _MAGIC_BYTES = 16
 
@@ -81,20 +80,6 @@ class _Fail(Exception):
         self.detail = detail
         self.retryable = retryable
         self.retry_after = retry_after
-
-
-def _retry_after_s(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 def _check_scheme(url: httpx.URL, reason: str) -> None:
@@ -128,22 +113,12 @@ class _Downloader:
         except (httpx.InvalidURL, TypeError, ValueError) as e:
             raise _Fail("bad_url", f"cannot parse {url!r}: {e}") from None
         _check_scheme(parsed, "bad_scheme")
-        attempts = 1 + self.retries
-        last: _Fail | None = None
-        for attempt in range(attempts):
-            try:
-                return self._attempt(parsed, url)
-            except _Fail as f:
-                if not f.retryable:
-                    raise
-                last = f
-                if attempt + 1 < attempts:
-                    delay = self.backoff_s * (2**attempt)
-                    if f.retry_after is not None:
-                        delay = max(delay, min(f.retry_after, RETRY_AFTER_CAP_S))
-                    time.sleep(delay)
-        assert last is not None
-        raise _Fail(last.reason, f"{last.detail} (after {attempts} attempts)")
+        try:
+            return retrying(self.retries, self.backoff_s)(self._attempt, parsed, url)
+        except _Fail as f:
+            if not f.retryable:
+                raise
+            raise _Fail(f.reason, f"{f.detail} (after {1 + self.retries} attempts)") from None
 
     def _attempt(self, start: httpx.URL, original: str) -> _Stored:
         url = start
@@ -178,7 +153,7 @@ class _Downloader:
                 "http_status",
                 f"{code} {resp.reason_phrase} from {resp.url}",
                 retryable=retryable,
-                retry_after=_retry_after_s(resp.headers.get("retry-after")) if retryable else None,
+                retry_after=retry_after_s(resp.headers.get("retry-after")) if retryable else None,
             )
         ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
         if not ctype.startswith("image/"):

@@ -11,8 +11,10 @@ answer, which is sanitised (NFKC, control characters dropped, every ``<``/``>`` 
 ``<judge>`` or other tag survives, length capped) and placed between delimiters the sanitised text cannot contain,
 with a system instruction that the block is data. The verdict is read from the LAST ``<judge>...</judge>`` of the
 reply, and only an exact ``Yes``/``No`` (any case) counts; anything else is "not correct", method ``llm_unparsed``.
-Network errors, 5xx and 429 are retried with exponential backoff; when every attempt fails, :class:`JudgeUnavailable`
-is raised so that callers can count judge failures instead of silently scoring 0.
+Requests go through :class:`mars.llm_client.ChatClient` (network errors, timeouts, 5xx and 429 retried with
+exponential backoff by the ``openai`` package); when every attempt fails, the endpoint refuses the request (another
+4xx) or answers with no chat completion, :class:`JudgeUnavailable` is raised so that callers can count judge failures
+instead of silently scoring 0.
 
 Deviations from the paper/reference: the reference grades with a hosted LLM by default; here the rule judge is the
 default (offline, deterministic) and the LLM judge is opt-in. Numbers that look like years (integers 1000..2100)
@@ -24,16 +26,16 @@ Run the tests with ``.venv/bin/python -m pytest tests/rl -q`` (they start a real
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import string
-import time
 import unicodedata
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import httpx
+
+from mars.llm_client import ChatClient, LLMError
 
 __all__ = [
     "JudgeResult",
@@ -61,7 +63,8 @@ class JudgeResult:
 
 
 class JudgeUnavailable(RuntimeError):
-    """The LLM judge could not be reached (or kept failing) after all retries."""
+    """The LLM judge could not be reached (or kept failing) after all retries, refused the request, or answered
+    with no chat completion."""
 
 
 # ----------------------------------------------------------------------------------------------- normalisation
@@ -379,9 +382,10 @@ def parse_verdict(reply: str) -> bool | None:
 class LLMJudge:
     """An LLM judge on an OpenAI-compatible ``POST {base_url}/chat/completions`` endpoint.
 
-    ``base_url`` is the API root, e.g. ``http://127.0.0.1:8000/v1``. ``retries`` extra attempts follow the first on
-    network errors, 5xx and 429, with backoff ``backoff_s * 2**k``. Pass ``client`` to share a connection pool
-    (it is then not closed by :meth:`close`).
+    ``base_url`` is the API root, e.g. ``http://127.0.0.1:8000/v1``. Requests go through
+    :class:`mars.llm_client.ChatClient`: ``retries`` extra attempts follow the first on network errors, timeouts
+    (``timeout_s`` per attempt), 5xx and 429, waiting ``backoff_s * 2**k``. Pass ``client`` (an ``httpx.Client``)
+    to share a connection pool (it is then not closed by :meth:`close`).
     """
 
     def __init__(
@@ -397,21 +401,17 @@ class LLMJudge:
         max_answer_chars: int = 1000,
         max_tokens: int = 32,
     ) -> None:
-        self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
-        self.api_key = api_key
-        self.timeout_s = timeout_s
         self.retries = max(0, int(retries))
-        self.backoff_s = backoff_s
         self.max_answer_chars = max_answer_chars
         self.max_tokens = max_tokens
-        self._own_client = client is None
-        self.client = client if client is not None else httpx.Client(timeout=timeout_s)
+        self.llm = ChatClient(base_url, api_key=api_key, timeout_s=timeout_s, retries=self.retries,
+                              backoff_s=backoff_s, http_client=client, name="judge")
+        self.url = self.llm.url
         self.name = f"llm:{model}"
 
     def close(self) -> None:
-        if self._own_client:
-            self.client.close()
+        self.llm.close()
 
     def __enter__(self) -> "LLMJudge":
         return self
@@ -431,32 +431,6 @@ class LLMJudge:
         )
         return [{"role": "system", "content": JUDGE_SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
-    def _post(self, body: dict[str, Any]) -> str:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        last = "no attempt"
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                r = self.client.post(self.url, json=body, headers=headers, timeout=self.timeout_s)
-            except httpx.HTTPError as e:
-                last = f"{type(e).__name__}: {e}"
-                continue
-            if r.status_code >= 500 or r.status_code == 429:
-                last = f"HTTP {r.status_code}"
-                continue
-            if r.status_code >= 400:
-                raise JudgeUnavailable(f"judge at {self.url} refused the request: HTTP {r.status_code}: {r.text[:200]}")
-            try:
-                content = r.json()["choices"][0]["message"]["content"]
-            except (ValueError, KeyError, IndexError, TypeError) as e:
-                last = f"malformed response ({type(e).__name__}): {r.text[:200]!r}"
-                continue
-            return content if isinstance(content, str) else json.dumps(content)
-        raise JudgeUnavailable(f"judge at {self.url} failed after {self.retries + 1} attempts: {last}")
-
     def judge(self, question: str, prediction: str, answers: list[str]) -> JudgeResult:
         """Ask the model; raises :class:`JudgeUnavailable` when the endpoint keeps failing."""
         body = {
@@ -465,7 +439,11 @@ class LLMJudge:
             "temperature": 0.0,
             "max_tokens": self.max_tokens,
         }
-        verdict = parse_verdict(self._post(body))
+        try:
+            reply = self.llm.text(body)
+        except LLMError as e:
+            raise JudgeUnavailable(str(e)) from None
+        verdict = parse_verdict(reply)
         if verdict is None:
             return JudgeResult(False, "llm_unparsed", self.name)
         return JudgeResult(verdict, "llm", self.name)

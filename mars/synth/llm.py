@@ -16,9 +16,10 @@ What it does
     the endpoint and the count (as soon as the outcome is certain, so a dead endpoint does not wait for every item).
 
     Transport: requests run concurrently in a thread pool bounded by ``concurrency`` over one shared
-    ``httpx.Client``; the retry loop (network errors, 5xx and 429 retried with exponential backoff; other 4xx not
-    retried) is :class:`mars.rl.judge.LLMJudge`'s, reused rather than copied. Each request carries
-    ``seed = seed + crc32(id)`` so reruns are reproducible where the server honours seeds (vLLM, OpenAI).
+    :class:`mars.llm_client.ChatClient` (the ``openai`` package: network errors, timeouts, 5xx and 429 retried
+    ``max_retries`` times with exponential backoff ``backoff_s * 2**k``; other 4xx not retried; a reply with no
+    chat completion is an ``endpoint_error``). Each request carries ``seed = seed + crc32(id)`` so reruns are
+    reproducible where the server honours seeds (vLLM, OpenAI).
 
 Deviations
     The paper synthesised questions with a strong proprietary model and then had humans check them; here any
@@ -45,12 +46,12 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-import httpx
 from PIL import Image, ImageOps
 from tqdm import tqdm
 
 from mars.agent.backends import to_openai_messages
-from mars.rl.judge import JudgeUnavailable, LLMJudge, normalize_answer
+from mars.llm_client import ChatClient, LLMError
+from mars.rl.judge import normalize_answer
 
 __all__ = [
     "DIFFICULTY_LEVELS",
@@ -202,8 +203,9 @@ class LLMSynthesizer:
     """Synthesises search questions for real images with a model on an OpenAI-compatible endpoint.
 
     ``base_url`` is the API root (e.g. ``http://127.0.0.1:8000/v1``); the API key is read from the environment
-    variable ``api_key_env`` (no ``Authorization`` header when it is unset). ``max_retries`` extra attempts follow
-    the first on network errors, 5xx and 429. ``limits`` are passed to :func:`parse_reply`.
+    variable ``api_key_env`` (the placeholder key ``EMPTY`` when it is unset). ``max_retries`` extra attempts follow
+    the first on network errors, timeouts (``timeout_s`` per attempt), 5xx and 429. ``limits`` are passed to
+    :func:`parse_reply`.
     """
 
     def __init__(
@@ -240,19 +242,12 @@ class LLMSynthesizer:
         self.seed = seed
         self.progress = progress
         self.limits = dict(limits or {})
-        self._client = httpx.Client(
-            timeout=timeout_s,
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-        )
-        # the retry/backoff transport of the LLM judge, on our bounded connection pool
-        self._transport = LLMJudge(
-            base_url, model, api_key=os.environ.get(api_key_env) or None, timeout_s=timeout_s,
-            retries=max_retries, client=self._client, backoff_s=backoff_s,
-        )
-        self.url = self._transport.url
+        self.llm = ChatClient(base_url, api_key=os.environ.get(api_key_env) or None, timeout_s=timeout_s,
+                              retries=max_retries, backoff_s=backoff_s, name="synthesis endpoint")
+        self.url = self.llm.url
 
     def close(self) -> None:
-        self._client.close()
+        self.llm.close()
 
     def __enter__(self) -> LLMSynthesizer:
         return self
@@ -296,8 +291,8 @@ class LLMSynthesizer:
         except (OSError, ValueError, Image.DecompressionBombError) as exc:
             return {"id": iid, "reason": "image_error", "detail": f"{type(exc).__name__}: {exc}"[:500], "reply": ""}
         try:
-            reply = self._transport._post(self.body(image, item.get("caption", ""), iid))
-        except JudgeUnavailable as exc:
+            reply = self.llm.text(self.body(image, item.get("caption", ""), iid))
+        except LLMError as exc:
             return {"id": iid, "reason": "endpoint_error", "detail": str(exc)[:500], "reply": ""}
         parsed, reason, detail = _parse(reply, str(item.get("caption") or ""), **self.limits)
         return {"id": iid, "item": parsed, "reason": reason, "detail": detail, "reply": reply[:_REPLY_KEEP]}

@@ -8,11 +8,14 @@ call references travels; a list of all of them is accepted too) and answers ``{"
 answered with an error observation, never an HTTP error, as the in-process ToolBox does.
 
 :class:`RemoteToolBox` has the ToolBox's ``call(name, arguments, images)`` interface with
-timeouts, bounded concurrency (a semaphore) and retries with exponential backoff. A backend
-that stays down yields error observations and a failure counter; once at least
-``min_calls`` calls were made and the share of failed ones exceeds ``max_failure_rate``, the
-next call raises :class:`ToolServiceDown` with a clear message, so a run stops instead of
-training on garbage (the reference release does the same for its judge and search).
+timeouts, bounded concurrency (a semaphore) and retries: network errors, timeouts, HTTP 5xx
+and 429 are retried ``retries`` times with exponential backoff ``backoff_s * 2**attempt`` (a
+longer ``Retry-After`` honoured up to 30 s), the policy of :func:`mars.retry.retrying`; other
+4xx and unreadable answers are not retried. A backend that stays down yields error
+observations and a failure counter; once at least ``min_calls`` calls were made and the share
+of failed ones exceeds ``max_failure_rate``, the next call raises :class:`ToolServiceDown`
+with a clear message, so a run stops instead of training on garbage (the reference release
+does the same for its judge and search).
 
 Run: ``mars serve-tools --index-dir data/index --gallery-dir data/world/gallery [--port 8765]``.
 """
@@ -33,6 +36,7 @@ import httpx
 from PIL import Image
 from pydantic import BaseModel
 
+from mars.retry import describe, retrying
 from mars.tools.base import Observation
 
 log = logging.getLogger(__name__)
@@ -129,6 +133,12 @@ class RemoteToolBox:
     def close(self) -> None:
         self._client.close()
 
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        """One attempt: POST ``body``, the decoded JSON answer; HTTP errors raised for :func:`mars.retry.retrying`."""
+        resp = self._client.post(path, json=body)
+        resp.raise_for_status()
+        return resp.json()
+
     def _check_budget(self) -> None:
         with self._lock:
             if self.calls >= self.min_calls and self.failures / self.calls > self.max_failure_rate:
@@ -148,29 +158,21 @@ class RemoteToolBox:
             sent = [encode_image(im) for im in images]
         body = {"arguments": arguments, "images": sent, "n_images": len(images)}
         start = time.perf_counter()
-        last = ""
         with self._slots:
-            for attempt in range(self.retries + 1):
-                try:
-                    resp = self._client.post(f"/v1/tools/{name}", json=body)
-                    if resp.status_code >= 500:
-                        raise httpx.HTTPStatusError(f"HTTP {resp.status_code}", request=resp.request, response=resp)
-                    resp.raise_for_status()
-                    data = resp.json()
-                    with self._lock:
-                        self.calls += 1
-                    return Observation(
-                        text=data["text"],
-                        images=[decode_image(x) for x in data.get("images", [])],
-                        error=data.get("error"),
-                        latency_s=time.perf_counter() - start,
-                    )
-                except (httpx.HTTPError, ValueError, KeyError) as exc:
-                    last = f"{type(exc).__name__}: {exc}"
-                    if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500:
-                        break  # a client error will not go away by retrying
-                    if attempt < self.retries:
-                        time.sleep(self.backoff_s * 2**attempt)
+            try:
+                data = retrying(self.retries, self.backoff_s)(self._post, f"/v1/tools/{name}", body)
+                obs = Observation(
+                    text=data["text"],
+                    images=[decode_image(x) for x in data.get("images", [])],
+                    error=data.get("error"),
+                    latency_s=time.perf_counter() - start,
+                )
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                last = describe(exc)
+            else:
+                with self._lock:
+                    self.calls += 1
+                return obs
         with self._lock:
             self.calls += 1
             self.failures += 1

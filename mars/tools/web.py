@@ -1,4 +1,4 @@
-"""Web backends for ``text_search``: Serper (Google) search and an optional summariser LLM, over httpx.
+"""Web backends for ``text_search``: Serper (Google) search over httpx and an optional summariser LLM.
 
 What it does
     :class:`SerperSearch` answers ``search(query, k) -> list[TextHit]`` from the `Serper
@@ -19,8 +19,9 @@ What it does
     :class:`OpenAISummarizer` asks an OpenAI-compatible ``POST {base_url}/chat/completions`` endpoint (vLLM,
     an API model) to summarise the snippets for the query: the numbered ``[i] title: text`` snippets are cut
     to ``max_chars`` characters of input, the answer (``<think>`` blocks removed) to ``max_chars`` characters
-    of output. The key (``Authorization: Bearer``) comes from ``api_key_env``; ``api_key_env=None`` sends no
-    key (a local vLLM server).
+    of output. The request goes through :class:`mars.llm_client.ChatClient` (the ``openai`` package). The key
+    (``Authorization: Bearer``) comes from ``api_key_env`` at each call; ``api_key_env=None`` sends the
+    placeholder ``EMPTY`` (a local vLLM server).
 
     :class:`WebTextSearch` puts both behind the :class:`~mars.tools.text_index.TextIndex` interface
     (``search(query, k)``), so ``ToolBox(text_index=WebTextSearch(...), ...)`` serves ``text_search`` from
@@ -29,13 +30,15 @@ What it does
     returned without a summary (logged and counted in ``summary_failures``). ToolBox cuts every snippet to
     ``ToolConfig.max_snippet_chars`` (300), so raise it to show long summaries in full.
 
-    Network rules (as :class:`mars.tools.service.RemoteToolBox`): a timeout per request (``timeout_s``);
-    network errors (connection refused, timeouts, dropped connections), HTTP 5xx and 429 are retried
-    ``retries`` times with exponential backoff ``backoff_s * 2**attempt`` (a 429's numeric ``Retry-After``
-    is honoured up to 30 s); any other 4xx raises :class:`WebSearchError` at once (401/403 name the key's
-    environment variable). A missing key raises :class:`MissingAPIKeyError` naming the variable. The
-    counters ``calls``, ``failures`` and ``retries_done`` are kept on each backend. The key is never logged
-    and never put in an error message (every message is scrubbed of it, even if a server echoes it back).
+    Network rules (the policy of :mod:`mars.retry`, as for :class:`mars.tools.service.RemoteToolBox`): a
+    timeout per attempt (``timeout_s``); network errors (connection refused, timeouts, dropped connections),
+    HTTP 5xx and 429 are retried ``retries`` times with exponential backoff ``backoff_s * 2**attempt`` (a
+    longer ``Retry-After`` is honoured up to 30 s); any other 4xx raises :class:`WebSearchError` at once
+    (401/403 name the key's environment variable). Serper is retried by :func:`mars.retry.retrying`, the
+    summariser by the ``openai`` package with the same waits. A missing key raises
+    :class:`MissingAPIKeyError` naming the variable. The counters ``calls``, ``failures`` and
+    ``retries_done`` are kept on each backend. The key is never logged and never put in an error message
+    (every message is scrubbed of it, even if a server echoes it back).
     An empty query raises ``ValueError``. Inside ToolBox, any of these exceptions becomes an
     ``internal tool error: ...`` observation, never a crash.
 
@@ -64,18 +67,18 @@ import math
 import os
 import re
 import threading
-import time
 from typing import Any
 
 import httpx
 
+from mars.llm_client import ChatClient, LLMError
+from mars.retry import describe, retryable_status, retrying
 from mars.tools.text_index import TextHit
 
 __all__ = ["MissingAPIKeyError", "OpenAISummarizer", "SerperSearch", "WebSearchError", "WebTextSearch"]
 
 log = logging.getLogger(__name__)
 
-MAX_RETRY_AFTER_S = 30.0  # longest Retry-After we honour on a 429
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 
 
@@ -95,13 +98,13 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-class _HTTPBackend:
-    """Shared httpx plumbing: owned/borrowed client, key lookup, retries, counters, scrubbing."""
+class _Backend:
+    """Shared by both backends: argument checks, key lookup, scrubbing."""
 
     _what = "web backend"
 
-    def __init__(self, base_url: str, api_key_env: str | None, timeout_s: float, retries: int, backoff_s: float,
-                 client: httpx.Client | None) -> None:
+    def __init__(self, base_url: str, api_key_env: str | None, timeout_s: float, retries: int,
+                 backoff_s: float) -> None:
         if not isinstance(base_url, str) or not base_url.strip():
             raise ValueError(f"{type(self).__name__}: base_url must be a non-empty URL, got {base_url!r}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
@@ -114,18 +117,6 @@ class _HTTPBackend:
         self.api_key_env = api_key_env
         self.timeout_s = float(timeout_s)
         self.retries = retries
-        self.backoff_s = float(backoff_s)
-        self._own_client = client is None
-        self._client = client if client is not None else httpx.Client(timeout=self.timeout_s)
-        self._lock = threading.Lock()
-        self.calls = 0
-        self.failures = 0
-        self.retries_done = 0
-
-    def close(self) -> None:
-        """Close the httpx client if this backend created it."""
-        if self._own_client:
-            self._client.close()
 
     def __enter__(self):
         return self
@@ -147,64 +138,19 @@ class _HTTPBackend:
             )
         return key
 
+    def _key_hint(self, status: int | None) -> str:
+        if status in (401, 403) and self.api_key_env:
+            return f" (check the API key in {self.api_key_env})"
+        return ""
+
     @staticmethod
     def _scrub(message: str, key: str | None) -> str:
         if key:
             message = message.replace(key, "***")
         return message
 
-    def _post(self, path: str, body: dict, headers: dict[str, str], key: str | None) -> Any:
-        """POST ``body`` to ``base_url + path`` with retries; return the decoded JSON answer."""
-        url = f"{self.base_url}{path}"
-        last = ""
-        try:
-            for attempt in range(self.retries + 1):
-                wait = self.backoff_s * 2**attempt
-                try:
-                    resp = self._client.post(url, json=body, headers=headers, timeout=self.timeout_s)
-                except httpx.TransportError as exc:  # connect errors, timeouts, dropped connections
-                    last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                else:
-                    status = resp.status_code
-                    if status < 400:
-                        try:
-                            data = resp.json()
-                        except ValueError:
-                            raise WebSearchError(f"{self._what}: {url} answered HTTP {status} with a body that "
-                                                 f"is not JSON: {_cut(_one_line(resp.text), 200)!r}") from None
-                        with self._lock:
-                            self.calls += 1
-                        return data
-                    detail = _cut(_one_line(resp.text), 200)
-                    last = f"HTTP {status}" + (f": {detail}" if detail else "")
-                    if status == 429:
-                        ra = resp.headers.get("retry-after", "")
-                        try:
-                            ra_s = float(ra)
-                            if math.isfinite(ra_s) and ra_s > 0:
-                                wait = max(wait, min(ra_s, MAX_RETRY_AFTER_S))
-                        except ValueError:
-                            pass
-                    elif status < 500:
-                        hint = ""
-                        if status in (401, 403) and self.api_key_env:
-                            hint = f" (check the API key in {self.api_key_env})"
-                        raise WebSearchError(f"{self._what}: {url} refused the request with {last}{hint}")
-                if attempt < self.retries:
-                    with self._lock:
-                        self.retries_done += 1
-                    log.warning("%s: %s failed (%s); retry %d/%d in %.2fs", self._what, url,
-                                self._scrub(last, key), attempt + 1, self.retries, wait)
-                    time.sleep(wait)
-            raise WebSearchError(f"{self._what}: {url} failed after {self.retries + 1} attempt(s): {last}")
-        except WebSearchError as exc:
-            with self._lock:
-                self.calls += 1
-                self.failures += 1
-            raise WebSearchError(self._scrub(str(exc), key)) from None
 
-
-class SerperSearch(_HTTPBackend):
+class SerperSearch(_Backend):
     """Google search through Serper, answering ``search(query, k)`` with TextHits (see the module docstring)."""
 
     _what = "Serper search"
@@ -226,10 +172,64 @@ class SerperSearch(_HTTPBackend):
             raise ValueError(f"SerperSearch: api_key_env must name an environment variable, got {api_key_env!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"SerperSearch: k must be a positive integer, got {k!r}")
-        super().__init__(base_url, api_key_env, timeout_s, retries, backoff_s, client)
+        super().__init__(base_url, api_key_env, timeout_s, retries, backoff_s)
+        self.backoff_s = float(backoff_s)
         self.k = k
         self.include_boxes = include_boxes
         self.max_query_chars = max_query_chars
+        self._own_client = client is None
+        self._client = client if client is not None else httpx.Client(timeout=self.timeout_s)
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.failures = 0
+        self.retries_done = 0
+
+    def close(self) -> None:
+        """Close the httpx client if this backend created it."""
+        if self._own_client:
+            self._client.close()
+
+    def _post(self, path: str, body: dict, headers: dict[str, str], key: str | None) -> Any:
+        """POST ``body`` to ``base_url + path`` under :func:`mars.retry.retrying`; return the decoded JSON answer."""
+        url = f"{self.base_url}{path}"
+
+        def attempt() -> httpx.Response:
+            resp = self._client.post(url, json=body, headers=headers, timeout=self.timeout_s)
+            resp.raise_for_status()
+            return resp
+
+        def before_sleep(state: Any) -> None:
+            with self._lock:
+                self.retries_done += 1
+            log.warning("%s: %s failed (%s); retry %d/%d in %.2fs", self._what, url,
+                        self._scrub(describe(state.outcome.exception()), key), state.attempt_number, self.retries,
+                        state.next_action.sleep)
+
+        def fail(message: str) -> WebSearchError:
+            with self._lock:
+                self.calls += 1
+                self.failures += 1
+            return WebSearchError(self._scrub(message, key))
+
+        try:
+            resp = retrying(self.retries, self.backoff_s, before_sleep=before_sleep)(attempt)
+        except httpx.HTTPStatusError as exc:
+            status = exc.response.status_code
+            if retryable_status(status):
+                raise fail(f"{self._what}: {url} failed after {self.retries + 1} attempt(s): {describe(exc)}") \
+                    from None
+            raise fail(f"{self._what}: {url} refused the request with {describe(exc)}{self._key_hint(status)}") \
+                from None
+        except httpx.TransportError as exc:  # connect errors, timeouts, dropped connections
+            raise fail(f"{self._what}: {url} failed after {self.retries + 1} attempt(s): {describe(exc)}") from None
+        try:
+            data = resp.json()
+        except ValueError:
+            raise fail(f"{self._what}: {url} answered HTTP {resp.status_code} with a body that is not JSON: "
+                       f"{_cut(_one_line(resp.text), 200)!r}") from None
+        with self._lock:
+            self.calls += 1
+        return data
 
     def search(self, query: str, k: int | None = None) -> list[TextHit]:
         """The top ``k`` (default ``self.k``) web results for ``query``, best first."""
@@ -295,7 +295,7 @@ class SerperSearch(_HTTPBackend):
         return hits[:k]
 
 
-class OpenAISummarizer(_HTTPBackend):
+class OpenAISummarizer(_Backend):
     """Summarise search snippets for a query with an OpenAI-compatible chat model (see the module docstring)."""
 
     _what = "summariser"
@@ -323,10 +323,36 @@ class OpenAISummarizer(_HTTPBackend):
             raise ValueError(f"OpenAISummarizer: model must be a non-empty string, got {model!r}")
         if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 20:
             raise ValueError(f"OpenAISummarizer: max_chars must be an integer >= 20, got {max_chars!r}")
-        super().__init__(base_url, api_key_env, timeout_s, retries, backoff_s, client)
+        super().__init__(base_url, api_key_env, timeout_s, retries, backoff_s)
         self.model = model
         self.max_chars = max_chars
         self.temperature = temperature
+        self.llm = ChatClient(self.base_url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+                              http_client=client, name="summariser")
+
+    def close(self) -> None:
+        """Close the client's connection pool if this backend created it."""
+        self.llm.close()
+
+    @property
+    def backoff_s(self) -> float:
+        return self.llm.backoff_s
+
+    @backoff_s.setter
+    def backoff_s(self, value: float) -> None:
+        self.llm.backoff_s = float(value)
+
+    @property
+    def calls(self) -> int:
+        return self.llm.calls
+
+    @property
+    def failures(self) -> int:
+        return self.llm.failures
+
+    @property
+    def retries_done(self) -> int:
+        return self.llm.retries_done
 
     def prompt(self, query: str, pages: list[TextHit]) -> str:
         """The user message: the query and the numbered snippets, cut to ``max_chars`` characters."""
@@ -352,17 +378,12 @@ class OpenAISummarizer(_HTTPBackend):
         if not pages:
             return ""
         key = self._key()
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        data = self._post("/chat/completions", self.request(query, pages), headers, key)
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
-            content = data["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError):
-            raise WebSearchError(f"summariser: {self.base_url}/chat/completions answered without "
-                                 f"choices[0].message.content") from None
-        if isinstance(content, list):  # content parts
-            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            content = ""
+            content = self.llm.text(self.request(query, pages), headers=headers)
+        except LLMError as exc:
+            hint = self._key_hint(exc.status) if exc.refused else ""
+            raise WebSearchError(self._scrub(f"{exc}{hint}", key)) from None
         text = _THINK.sub("", content).strip()
         return _cut(text, self.max_chars)
 

@@ -324,12 +324,13 @@ def test_persistent_500_raises(judge_server):
     assert len(state.requests) == 2
 
 
-def test_malformed_200_is_retried_then_unavailable(judge_server):
+def test_malformed_200_is_unavailable_without_retry(judge_server):
+    """A 200 with no chat completion is the server's bug, not a transient failure: not retried."""
     url, state = judge_server
     state.mode = "no_choices"
-    with make_judge(url, retries=1) as j, pytest.raises(JudgeUnavailable, match="malformed"):
+    with make_judge(url, retries=1) as j, pytest.raises(JudgeUnavailable, match="without choices"):
         j.judge("q", "Paris", ["Paris"])
-    assert len(state.requests) == 2
+    assert len(state.requests) == 1
 
 
 def test_client_error_is_not_retried(judge_server):

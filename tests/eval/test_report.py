@@ -1,4 +1,4 @@
-"""Tests of the self-contained HTML report (mars.eval.report).
+"""Tests of the self-contained HTML report (mars.eval.report and its jinja2 templates in mars/eval/templates/).
 
 Structure tests parse the file with the stdlib html.parser; the browser tests open it in headless Chromium
 (``--dump-dom``) and read what the page's self-check wrote into the DOM. They skip when Chromium is absent.
@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
@@ -198,8 +199,9 @@ def test_one_card_per_row_with_header(report, results):
     for needle in ('class="tag tag-tool_call"', 'class="tag tag-think"', 'class="tag tag-answer"',
                    'class="msg msg-tool"', 'class="msg msg-system"', "1 tool call<", "2 turns", "0 tool calls", "1 turn<"):
         assert needle in text, needle
-    # the tool call JSON is pretty-printed (and escaped)
-    assert "{&quot;name&quot;: &quot;zoom_in&quot;, &quot;arguments&quot;" in text
+    # the tool call JSON is pretty-printed (and escaped: jinja2 writes a double quote as &#34;)
+    assert re.search(r"\{&(quot|#34);name&(quot|#34);: &(quot|#34);zoom_in&(quot|#34);, &(quot|#34);arguments", text)
+    assert '{"name": "zoom_in", "arguments": {"bbox_2d": [300, 300, 600, 600], "label": "emblem"}}' in "".join(_parse(text).text)
 
 
 def test_script_in_model_output_is_escaped(report):
@@ -268,6 +270,179 @@ def test_bad_messages_and_images_do_not_break(results):
     assert "undecodable image" in page
     assert "image ref 7 missing" in page
     assert len(_parse(page).cards) == 3
+
+
+# --- templates, escaping and numbers on small hand-built inputs -------------------------------------------------
+
+
+def _small_row(bench: str, qid: str, model: str, workflow: str, correct: bool, **kw) -> dict:
+    """A RESULTS row without images; ``kw`` overrides any field."""
+    row = dict(
+        sample_id=f"{bench}/{qid}/{model}/{workflow}/0", benchmark=bench, question_id=qid, model=model,
+        workflow=workflow, sample_idx=0, seed=0, temperature=0.0, question=f"question {qid}", gold=["yes"],
+        prediction="yes" if correct else "no", correct=correct, score=1.0 if correct else 0.0, judge="rule:exact",
+        category=None, difficulty=None, type=None, finish_reason="answer", turns=1, n_zoom=0, n_text_search=0,
+        n_image_search=0, tool_errors=0, format_errors=0, tokens=10, latency_s=0.5,
+        messages_json=json.dumps([{"role": "assistant", "content": "<answer>yes</answer>"}]), images=[],
+    )
+    row.update(kw)
+    return row
+
+
+class _Tables(HTMLParser):
+    """Every <table> of a page as ``(heading, rows of cell texts)``, the heading being the last <h2>/<h3> before it."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tables: list[tuple[str, list[list[str]]]] = []
+        self._heading: str | None = None
+        self._last_heading = ""
+        self._cell: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("h2", "h3"):
+            self._heading = ""
+        elif tag == "table":
+            self.tables.append((self._last_heading, []))
+        elif tag == "tr":
+            self.tables[-1][1].append([])
+        elif tag in ("td", "th"):
+            self._cell = ""
+
+    def handle_endtag(self, tag):
+        if tag in ("h2", "h3") and self._heading is not None:
+            self._last_heading, self._heading = self._heading.strip(), None
+        elif tag in ("td", "th") and self._cell is not None:
+            self.tables[-1][1][-1].append(" ".join(self._cell.split()))
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._heading is not None:
+            self._heading += data
+        if self._cell is not None:
+            self._cell += data
+
+
+def _tables(page: str) -> dict[str, list[list[str]]]:
+    p = _Tables()
+    p.feed(page)
+    p.close()
+    return dict(p.tables)
+
+
+def test_untrusted_text_is_escaped_everywhere():
+    evil = "<script>alert(1)</script> & <b>bold</b> \"dq\" 'sq'"
+    rows = [
+        _small_row("bench<i>", 'q"><script>alert(2)</script>', "m&m", "agentic", False, prediction=evil,
+                   question=evil, gold=[evil], judge=evil,
+                   messages_json=json.dumps([{"role": "user", "content": evil},
+                                             {"role": "assistant", "content": f"<think>{evil}</think><answer>{evil}</answer>"}])),
+    ]
+    page = render_report(pa.Table.from_pylist(rows, schema=RESULTS), {evil: {evil: 1.0}}, title=evil)
+    p = _parse(page)
+    assert len(p.scripts) == 2 and all("alert(" not in s for s in p.scripts)  # only the report's own scripts
+    tags = [t for t, _ in p.tags]
+    assert tags.count("b") == 1 and "i" not in tags  # only the report's own <b>Question</b>: no markup from the data
+    assert "<script>alert" not in page and "<b>bold" not in page
+    escaped = "&lt;script&gt;alert(1)&lt;/script&gt; &amp; &lt;b&gt;bold&lt;/b&gt;"
+    # title, h1, question, gold, prediction, judge, user message, think, answer, metrics heading and table cell
+    assert page.count(escaped) == 11
+    visible = "".join(p.text)
+    assert visible.count(evil) == 11  # what a reader sees is the literal text, quotes included
+    card = p.cards[0]
+    assert (card["data-benchmark"], card["data-model"], card["data-qid"]) == (
+        "bench<i>", "m&m", 'q"><script>alert(2)</script>')
+    options = {a.get("value") for t, a in p.tags if t == "option"}
+    assert {"bench<i>", "m&m"} <= options
+
+
+def test_numbers_of_a_small_report():
+    rows = [
+        _small_row("A", "q1", "m", "agentic", True, turns=1, n_zoom=1, tokens=100, latency_s=0.5,
+                   type="perception", score=1.0),
+        _small_row("A", "q2", "m", "agentic", False, turns=2, n_text_search=2, tokens=200, latency_s=1.25,
+                   type="search", score=1 / 3),
+        _small_row("A", "q3", "m", "agentic", True, turns=3, n_zoom=1, n_image_search=1, tokens=300, latency_s=2.0,
+                   type="perception", tool_errors=1),
+        _small_row("B", "q1", "m", "agentic", True, turns=4, tokens=None, latency_s=None),
+        _small_row("A", "q1", "m", "direct", False, tokens=50, latency_s=0.1, type="perception"),
+    ]
+    metrics = {"n_samples": 5, "tiny": 1.5e-5, "big": 123456.0,
+               "A": {"m/agentic": {"accuracy": 2 / 3, "by_type": {"perception": 1.0}}, "m/direct": {"accuracy": 0.0}}}
+    page = render_report(pa.Table.from_pylist(rows, schema=RESULTS), metrics, title="small")
+    visible = " ".join(" ".join(_parse(page).text).split())
+    assert "5 samples \u00b7 4 questions \u00b7 2 benchmarks \u00b7 2 model/workflow pairs" in visible
+    t = _tables(page)
+    assert t["Accuracy by benchmark"] == [
+        ["benchmark", "m/agentic", "m/direct"],
+        ["A", "66.7% n=3", "0.0% n=1"],
+        ["B", "100.0% n=1", "\u2013"],
+        ["all", "75.0% n=4", "0.0% n=1"],
+    ]
+    assert 'style="--a:0.667"' in page and 'style="--a:0.750"' in page
+    assert t["Accuracy by type"] == [
+        ["benchmark", "type", "m/agentic", "m/direct"],
+        ["A", "perception", "100.0% n=2", "0.0% n=1"],
+        ["A", "search", "0.0% n=1", "\u2013"],
+        ["B", "(none)", "100.0% n=1", "\u2013"],
+    ]
+    assert "Accuracy by category" not in t and "Accuracy by difficulty" not in t
+    # means per sample; tokens and latency over the rows that have them
+    assert t["Tool use and cost (mean per sample)"] == [
+        ["model/workflow", "samples", "turns", "tool calls", "zoom", "text search", "image search", "tool errors",
+         "format errors", "tokens", "latency s"],
+        ["m/agentic", "4", "2.5", "1.25", "0.5", "0.5", "0.25", "0.25", "0", "200", "1.25"],
+        ["m/direct", "1", "1", "0", "0", "0", "0", "0", "0", "50", "0.1"],
+    ]
+    assert t["Metrics"] == [["metric", "value"], ["n_samples", "5"], ["tiny", "1.5e-05"], ["big", "1.235e+05"]]
+    assert t["A"] == [["", "accuracy", "by_type.perception"], ["m/agentic", "0.6667", "1"], ["m/direct", "0", ""]]
+    p = _parse(page)
+    assert len(p.cards) == 5 and p.tags[[t for t, _ in p.tags].index("body")][1]["data-visible"] == "5"
+    assert "5 of 5 trajectories shown" in visible
+    q2 = next(c for c in p.cards if c["data-sample-id"] == "A/q2/m/agentic/0")
+    assert q2["data-correct"] == "wrong"
+    assert "score 0.3333" in visible and "2 turns" in visible and "2 tool calls" in visible
+    assert "zoom 0, text search 2, image search 0; tool errors 0, format errors 0" in visible
+    assert "200 tokens, 1.25 s" in visible and "None tokens, s" in visible
+
+
+def test_templates_come_from_the_package(tmp_path):
+    import jinja2
+
+    import mars.eval
+    from mars.eval import report
+
+    env = report._environment()
+    assert isinstance(env.loader, jinja2.PackageLoader)
+    templates = Path(mars.eval.__file__).parent / "templates"
+    names = {"report.html.j2", "report.css", "report.js", "selfcheck.js"}
+    assert names <= set(env.loader.list_templates())
+    for name in names:
+        _, filename, _ = env.loader.get_source(env, name)
+        assert Path(filename) == templates / name
+    assert env.autoescape(report.TEMPLATE) and env.from_string("{{ x }}").render(x="<&>") == "&lt;&amp;&gt;"
+    # the CSS and both scripts are inlined verbatim (no jinja2 syntax in them is interpreted)
+    page = render_report(pa.Table.from_pylist([_small_row("A", "q1", "m", "w", True)], schema=RESULTS), None)
+    p = _parse(page)
+    style = page.split("<style>", 1)[1].split("</style>", 1)[0]
+    assert style.strip() == (templates / "report.css").read_text(encoding="utf-8").strip()
+    assert [s.strip() for s in p.scripts] == [
+        (templates / f).read_text(encoding="utf-8").strip() for f in ("selfcheck.js", "report.js")]
+    # a copy of the package elsewhere on the path (as a wheel installs it) renders from its own templates
+    site = tmp_path / "site"
+    shutil.copytree(Path(mars.__file__).parent, site / "mars", ignore=shutil.ignore_patterns("__pycache__"))
+    code = (
+        "import pyarrow as pa, mars.eval.report as r\n"
+        "from mars.data.schemas import RESULTS\n"
+        "env = r._environment()\n"
+        "print(env.loader.get_source(env, r.TEMPLATE)[1])\n"
+        "print(r.render_report(pa.Table.from_pylist([], schema=RESULTS), None)[:15])\n"
+    )
+    env_vars = dict(os.environ, PYTHONPATH=str(site))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env_vars, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [str(site / "mars" / "eval" / "templates" / report.TEMPLATE), "<!DOCTYPE html>"]
 
 
 # --- headless Chromium ------------------------------------------------------------------------------------------

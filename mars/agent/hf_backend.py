@@ -8,6 +8,11 @@ What it does
     string (``"stop"``; text ends with the stop string, tokens up to the one completing it), or the budget
     (``"length"``). Greedy when ``temperature == 0``; otherwise sampling with ``temperature``/``top_p`` from a
     ``torch.Generator`` state seeded by ``seed``.
+    A row stops generating at the token that completes a stop string: transformers' ``StopStringCriteria``
+    applied to the generated tokens only (a stop string never starts in the prompt), built once per stop tuple (it
+    reads the whole vocabulary: 1-2 s for Qwen's). The cut itself is made on the decoded text (the shortest prefix
+    of the ids whose decoding contains a stop string); for the byte-level tokenizers of :mod:`mars.model.tokenizer`
+    the criterion fires at that same token (``tests/model/test_stop_strings.py``).
     ``logprobs[i]`` is the log-probability of ``token_ids[i]`` at the sampling temperature (``log_softmax`` of
     ``logits / temperature``; of the raw logits when greedy), before top-p: what the RL trainer computes for the
     policy ratio (as TRL and verl do). A vLLM server returns the same with ``--logprobs-mode processed_logprobs``
@@ -57,7 +62,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -75,18 +80,18 @@ def _logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, suppr
     return torch.log_softmax(scaled, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
 
 
-class _StopStrings(StoppingCriteria):
-    """Per-row stop when the decoded tail of the generated tokens contains a stop string."""
+class _Generated(StoppingCriteria):
+    """``inner`` applied to the generated tokens only: ``input_ids`` from ``prompt_len`` on.
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_len: int):
-        self.tok, self.stop, self.n = tokenizer, stop, prompt_len
-        self.window = 8 + max((len(s) for s in stop), default=0)
+    transformers' ``StopStringCriteria`` looks at the end of the whole sequence, so a stop string could start in the
+    prompt (``"\\n\\n"`` after the generation prompt's ``"assistant\\n"``); here it must lie in the generated text.
+    """
+
+    def __init__(self, inner: StoppingCriteria, prompt_len: int):
+        self.inner, self.n = inner, prompt_len
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        gen = input_ids[:, self.n :]
-        tail = gen[:, -self.window :].tolist()
-        done = [any(s in self.tok.decode(row, skip_special_tokens=False) for s in self.stop) for row in tail]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+        return self.inner(input_ids[:, self.n :], scores, **kwargs)
 
 
 class _BufferLayer(DynamicLayer):
@@ -195,6 +200,7 @@ class HFBackend:
         self._cached_tokens = 0
         self._memo = _MemoProcessor(processor)  # image preprocessing memo + image fingerprints for the cache keys
         self.last_stats: dict = {}  # rows, cached_tokens, prefilled_tokens of the last cached-path call
+        self._stop_criteria: OrderedDict[tuple[str, ...], StopStringCriteria] = OrderedDict()  # by stop tuple
 
     @torch.no_grad()
     def generate(
@@ -221,7 +227,7 @@ class HFBackend:
         )
         if prefix_cache is not None:
             kw["cache"] = prefix_cache
-        criteria = StoppingCriteriaList([_StopStrings(self.tokenizer, tuple(stop), prompt_len)]) if stop else None
+        criteria = StoppingCriteriaList([_Generated(self._stop_criterion(tuple(stop)), prompt_len)]) if stop else None
         self.model.eval()
         if hasattr(self.model, "model") and hasattr(self.model.model, "rope_deltas"):
             self.model.model.rope_deltas = None  # never reuse mrope deltas of a previous batch
@@ -285,6 +291,18 @@ class HFBackend:
             inputs["pixel_values"] = torch.cat(pv)
             inputs["image_grid_thw"] = torch.cat([r.image_grid_thw for r in rs if r.image_grid_thw is not None])
         return {k: v.to(self.device) for k, v in inputs.items()}, cache
+
+    def _stop_criterion(self, stop: tuple[str, ...]) -> StopStringCriteria:
+        """transformers' stop-string criterion for ``stop`` (the last 8 stop tuples are kept: building one reads the
+        whole vocabulary)."""
+        crit = self._stop_criteria.get(stop)
+        if crit is None:
+            crit = self._stop_criteria[stop] = StopStringCriteria(self.tokenizer, list(stop))
+            while len(self._stop_criteria) > 8:
+                self._stop_criteria.popitem(last=False)
+        else:
+            self._stop_criteria.move_to_end(stop)
+        return crit
 
     # ------------------------------------------------------------------ per-dialogue KV cache (episode_cache=True)
 
@@ -447,7 +465,7 @@ class HFBackend:
         if temperature > 0:  # what model.generate applies for do_sample with top_k=0
             warpers = [TemperatureLogitsWarper(float(temperature))]
             warpers += [TopPLogitsWarper(float(top_p))] if top_p < 1.0 else []
-        criteria = _StopStrings(self.tokenizer, stop, 0) if stop else None
+        criteria = self._stop_criterion(stop) if stop else None  # fed the generated tokens only
         eos = torch.tensor(self.eos_ids, device=dev)
         gen_tokens, gen_logits = [], []
         unfinished = torch.ones(B, dtype=torch.bool, device=dev)

@@ -5,13 +5,13 @@ What it measures
     frame's cell; whether it did varies between runs (docs/findings.md: 30-79 of 80 test scenes framed with the
     same block). This probe scores any checkpoint directory, and optionally the training states the sft stage leaves
     (``data/sft_ckpt/locate/step-*/state.pt`` after the block, ``data/sft_ckpt/step-*/state.pt`` in phase 2),
-    on ``--n`` held-out localisation drills (:func:`mars.synth.locate.locate_dialogues` with another seed than
+    on ``--n`` held-out localisation drills (:func:`mars.train.locate.locate_dialogues` with another seed than
     training: new scenes with the world's grid, frame and clutter, the episodes' system prompt): greedy first turn,
-    the zoom's cell (:func:`mars.synth.locate.zoom_cell`) against the teacher's. Baselines in the same table:
+    the zoom's cell (:func:`mars.train.locate.zoom_cell`) against the teacher's. Baselines in the same table:
     chance (one cell of the grid) and the teacher (every drill's reply, 100% by construction).
 
 With ``--read`` it also scores reading apart from finding: ``--n`` answered perception drills
-(:func:`mars.synth.locate.held_out_reads`: the teacher's right zoom and the crop of the framed emblem in the prompt)
+(:func:`mars.train.locate.held_out_reads`: the teacher's right zoom and the crop of the framed emblem in the prompt)
 whose greedy answer is the teacher's; ``--attributes`` picks what they ask (the synthesize stage's
 ``perception_attributes``; all by default).
 
@@ -21,9 +21,9 @@ was 75 of 80.
 
 Run (in a pipeline's working directory, after ``dvc repro`` reached sft)::
 
-    python bench/probe_block.py --model data/sft/model \\
+    python probes/probe_block.py --model data/sft/model \\
         --state data/sft_ckpt/locate/step-000600/state.pt --state data/sft_ckpt/step-000350/state.pt
-    python bench/probe_block.py --model data/sft/model --read --attributes colour
+    python probes/probe_block.py --model data/sft/model --read --attributes colour
 """
 
 from __future__ import annotations
@@ -37,13 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mars.agent.protocol import compact_system_prompt  # noqa: E402
 from mars.model.build import load_checkpoint  # noqa: E402
-from mars.stage import load_section  # noqa: E402
-from mars.synth.locate import framed_count, held_out_drills, held_out_reads, read_count  # noqa: E402
+from mars.train.locate import framed_count, held_out_drills, held_out_reads, read_count  # noqa: E402
 from mars.world.questions import ATTRIBUTES  # noqa: E402
 from mars.tools.base import TOOL_SCHEMAS  # noqa: E402
 from mars.train.checkpoint import load_model_weights  # noqa: E402
-from stages.world import Params as WorldParams  # noqa: E402
-from stages.world import world_spec  # noqa: E402
+from mars.world.scenes import read_scene  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="a checkpoint directory (data/sft/model)")
     ap.add_argument("--state", action="append", default=[],
                     help="a training state.pt whose weights replace the model's (repeatable, scored in order)")
-    ap.add_argument("--params", default="params.yaml", help="the params file whose world section drew the scenes")
+    ap.add_argument("--world-dir", type=Path, default=Path("data/world"),
+                    help="the world stage's output, whose scene.json sets the scenes' grid, frame and clutter")
     ap.add_argument("--n", type=int, default=80, help="held-out drills")
     ap.add_argument("--seed", type=int, default=99, help="drill seed (training uses sft.seed)")
     ap.add_argument("--read", action="store_true", help="also score the answer after the teacher's right zoom")
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in [ns.model, *ns.state]:
         if not Path(path).exists():
             ap.error(f"{path}: not found (run `dvc repro` up to the sft stage, or pass an existing path)")
-    scene = world_spec(load_section("world", WorldParams, ["--params", ns.params])).scene_config()
+    scene = read_scene(ns.world_dir)
     system = compact_system_prompt(TOOL_SCHEMAS)
     drills, truth = held_out_drills(scene, ns.n, ns.seed, system, ns.attributes)
     reads, answers = held_out_reads(scene, ns.n, ns.seed, system, ns.attributes) if ns.read else ([], [])

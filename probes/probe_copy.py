@@ -28,11 +28,11 @@ Not a speed benchmark: the numbers are shares of episodes (deterministic for a c
 
 Run (in a pipeline's working directory, after ``dvc repro`` reached sft)::
 
-    python bench/probe_copy.py --model data/sft/model
+    python probes/probe_copy.py --model data/sft/model
     # the same for phase 1's last checkpoint (weights from a training state.pt, the model's tokenizer):
-    python bench/probe_copy.py --model data/sft/model --state data/sft_ckpt/pretrain/step-002000/state.pt
+    python probes/probe_copy.py --model data/sft/model --state data/sft_ckpt/pretrain/step-002000/state.pt
     # perception: the answer turn after the teacher's (right) zoom
-    python bench/probe_copy.py --model data/sft/model --types perception
+    python probes/probe_copy.py --model data/sft/model --types perception
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ from mars.model.build import load_checkpoint  # noqa: E402
 from mars.rl.judge import rule_judge  # noqa: E402
 from mars.params import load_params  # noqa: E402
 from mars.train.checkpoint import load_model_weights  # noqa: E402
-from stages import sft as S  # noqa: E402
+from mars.train.cold_start import SFTParams  # noqa: E402
+from mars.train.drawing import teacher_trajectories  # noqa: E402
 
 CONTEXTS = ("episode", "no images", "drill")
 
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                          "so the read is scored given a right first zoom)")
     args = ap.parse_args(argv)
 
-    params = load_params("sft", S.Params, args.params)
+    params = load_params("sft", SFTParams, args.params)
     agent = load_params("agent", AgentParams, args.params)
     qs = [q for q in read_table(args.questions, QUESTIONS).to_pylist()
           if q["split"] == args.split and q["type"] in args.types]
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.questions}: no {kinds} questions in split {args.split!r}")
     t0 = time.perf_counter()
     teacher = dataclasses.replace(params, teacher_skill=1.0, n_trajectories=len(qs))
-    trajs, _ = S.teacher_trajectories(teacher, agent, qs, args.image_root, args.world_dir, args.index_dir)
+    trajs, _ = teacher_trajectories(teacher, agent, qs, args.image_root, args.world_dir, args.index_dir)
     by_id = {q["question_id"]: q for q in qs}
     print(f"teacher: {len(trajs)} of {len(qs)} {args.split} {kinds} questions answered right "
           f"({time.perf_counter() - t0:.0f} s)")

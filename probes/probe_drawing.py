@@ -2,7 +2,7 @@
 
 What it measures
     Before phase 0 the sft stage plays the teacher over the sft split and draws phase 1's reading drills (with the
-    check drills) and the localisation block's drills and zoom captions (:func:`stages.sft.play_and_draw`); all
+    check drills) and the localisation block's drills and zoom captions (:func:`mars.train.drawing.play_and_draw`); all
     three are mostly single-threaded Python. The stage has one worker draw both parts in turn beside the teacher
     (two at once were no shorter on two cores in a pipeline run: docs/findings.md). This benchmark
     runs both on the same data, in the same run:
@@ -13,8 +13,8 @@ What it measures
 
 Run (in a pipeline's working directory, after ``dvc repro`` reached synthesize; the sft params of ``--params``)::
 
-    python bench/probe_drawing.py
-    python bench/probe_drawing.py --captions 1000   # sft.pretrain_zoom_captions for this run (a quicker probe)
+    python probes/probe_drawing.py
+    python probes/probe_drawing.py --captions 1000   # sft.pretrain_zoom_captions for this run (a quicker probe)
 """
 
 from __future__ import annotations
@@ -34,34 +34,34 @@ from mars.data.io import read_table  # noqa: E402
 from mars.data.schemas import QUESTIONS  # noqa: E402
 from mars.stage import load_section  # noqa: E402
 from mars.tools.base import TOOL_SCHEMAS  # noqa: E402
+from mars.train.cold_start import SFTParams  # noqa: E402
 from mars.train.data import dialogues_digest  # noqa: E402
+from mars.train.drawing import play_and_draw  # noqa: E402
 from mars.world.questions import asked_attributes  # noqa: E402
-from stages.sft import SECTION, Params, play_and_draw  # noqa: E402
-from stages.world import Params as WorldParams  # noqa: E402
-from stages.world import world_spec  # noqa: E402
+from mars.world.scenes import read_scene  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", default="params.yaml", help="the params file (its profile's sft, agent, world)")
+    ap.add_argument("--params", default="params.yaml", help="the params file (its profile's sft, agent)")
     ap.add_argument("--data", default="data", help="the pipeline's data directory")
     ap.add_argument("--captions", type=int, default=None, help="sft.pretrain_zoom_captions for this run")
     ns = ap.parse_args(argv)
     args = ["--params", ns.params]
-    params = load_section(SECTION, Params, args)
+    params = load_section("sft", SFTParams, args)
     if ns.captions is not None:
         params = dataclasses.replace(params, pretrain_zoom_captions=ns.captions)
     if not (params.pretrain_steps or params.locate_steps):
         sys.exit(f"{ns.params}: sft.pretrain_steps and sft.locate_steps are both 0: nothing is drawn beside the "
                  "teacher; use a profile with phase 1 or the localisation block")
     agent = load_section("agent", AgentParams, args)
-    scene = world_spec(load_section("world", WorldParams, args)).scene_config()
     data = Path(ns.data)
     inputs = {"questions": data / "synthesize" / "questions.parquet", "image_root": data / "synthesize",
               "world_dir": data / "world", "index_dir": data / "index"}
     for name, path in inputs.items():
         if not path.exists():
             sys.exit(f"{path} ({name}) is missing: run `dvc repro synthesize` in this directory first")
+    scene = read_scene(inputs["world_dir"])  # the world stage's scene knobs (its scene.json)
     all_questions = read_table(inputs["questions"], QUESTIONS).to_pylist()
     system = (system_prompt if agent.prompt == "full" else compact_system_prompt)(TOOL_SCHEMAS)
     attributes = asked_attributes(all_questions)

@@ -5,7 +5,7 @@ What it measures
     default world). This probe isolates the vision side of that skill: the tiny model's vision tower and projector
     (``tiny_config``, random init, ``sft.arch``'s architecture) feed one learned attention read-out (a query over the
     merged image tokens, standing in for the language model's attention to the image) and a 4-way linear head; AdamW
-    trains them on localisation drill images (:func:`mars.synth.locate.locate_dialogues`, a new scene per drill, the
+    trains them on localisation drill images (:func:`mars.train.locate.locate_dialogues`, a new scene per drill, the
     world's grid, frame, clutter and target zone, the policy's 224-px view) with cross-entropy on the framed cell.
     Reported: held-out accuracy on scenes drawn with another seed, for each vision learning rate, against the baseline
     of the previous default (0.01) measured in the same run.
@@ -16,7 +16,7 @@ Finding (docs/findings.md)
 
 Not a speed benchmark: the numbers are accuracies after a fixed number of steps (deterministic for a seed).
 
-Run: ``python bench/probe_locate.py [--lrs 0.01 0.003 0.002 0.001] [--steps 150] [--train 1000] [--test 200]
+Run: ``python probes/probe_locate.py [--lrs 0.01 0.003 0.002 0.001] [--steps 150] [--train 1000] [--test 200]
 [--arch qwen2_5_vl]``
 """
 
@@ -36,7 +36,7 @@ from mars.agent.protocol import parse_turn  # noqa: E402
 from mars.model.build import ARCHES, build_model, tiny_config  # noqa: E402
 from mars.model.processor import build_processor  # noqa: E402
 from mars.model.tokenizer import train_tokenizer  # noqa: E402
-from mars.synth.locate import locate_dialogues, located_cell  # noqa: E402
+from mars.train.locate import locate_dialogues, located_cell  # noqa: E402
 from mars.world.generate import WorldSpec  # noqa: E402
 
 BATCH = 16

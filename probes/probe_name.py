@@ -6,10 +6,10 @@ What it measures
     the held-out crops. This probe asks whether the language model can learn the mapping from the zoom's image tokens to
     the attribute's word with dedicated practice, and how many steps it takes: starting from a checkpoint directory, it
     trains the whole model (rates ``sft.lr`` and ``sft.vision_lr``, batch ``sft.batch_size``, constant rate) on
-    ``--train`` open zoom captions (:func:`mars.synth.captions.zoom_captions`: a new random emblem at the zoom's scale
-    of the world in ``--params``, asking only ``--attributes``) and, at each of ``--eval-at`` steps, answers ``--test``
-    held-out captions of another seed greedily. Reported per attribute: the share answered right, the share of the most
-    frequent answer (1.0 = one word for every crop) and chance.
+    ``--train`` open zoom captions (:func:`mars.train.captions.zoom_captions`: a new random emblem at the zoom's scale
+    of the world in ``--world-dir``, asking only ``--attributes``) and, at each of ``--eval-at`` steps, answers
+    ``--test`` held-out captions of another seed greedily. Reported per attribute: the share answered right, the share
+    of the most frequent answer (1.0 = one word for every crop) and chance.
 
 Finding (docs/findings.md): from an SFT checkpoint whose tower was pre-trained to read colour (phase 0), 1,000 colour
 captions at the sft rates: colour named right in 5.3% of held-out crops (one word for 75% of them), 30.0% after 200
@@ -20,7 +20,7 @@ Not a speed benchmark: the numbers are accuracies after a number of steps (deter
 
 Run (in a pipeline's working directory, after ``dvc repro`` reached sft)::
 
-    python bench/probe_name.py --model data/sft/model --attributes colour --eval-at 0 200 400 800
+    python probes/probe_name.py --model data/sft/model --attributes colour --eval-at 0 200 400 800
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ from mars.agent.hf_backend import HFBackend  # noqa: E402
 from mars.agent.protocol import parse_turn  # noqa: E402
 from mars.model.build import load_checkpoint  # noqa: E402
 from mars.stage import load_section  # noqa: E402
-from mars.synth.captions import zoom_captions  # noqa: E402
+from mars.train.captions import zoom_captions  # noqa: E402
+from mars.train.cold_start import SFTParams  # noqa: E402
 from mars.train.data import render_examples  # noqa: E402
 from mars.train.sft import train_sft  # noqa: E402
 from mars.world.questions import ATTRIBUTES, asked_attribute  # noqa: E402
-from stages import sft as S  # noqa: E402
-from stages.world import Params as WorldParams  # noqa: E402
-from stages.world import world_spec  # noqa: E402
+from mars.world.scenes import read_scene  # noqa: E402
 
 
 def score(model, proc, dialogues: list[list[dict]]) -> dict[str, tuple[float, float]]:
@@ -63,7 +62,9 @@ def score(model, proc, dialogues: list[list[dict]]) -> dict[str, tuple[float, fl
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a checkpoint directory (data/sft/model)")
-    ap.add_argument("--params", default="params.yaml", help="world section: the zoom's scale; sft: rates, batch")
+    ap.add_argument("--params", default="params.yaml", help="its sft section: rates, batch")
+    ap.add_argument("--world-dir", type=Path, default=Path("data/world"),
+                    help="the world stage's output, whose scene.json sets the zoom's scale")
     ap.add_argument("--attributes", nargs="+", default=["colour"], choices=list(ATTRIBUTES))
     ap.add_argument("--train", type=int, default=2000, help="training captions")
     ap.add_argument("--test", type=int, default=200, help="held-out captions (another seed)")
@@ -73,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{ns.model}: not a checkpoint directory (run `dvc repro` up to the sft stage, or pass one)")
     if min(ns.eval_at) < 0:
         ap.error("--eval-at steps must be >= 0")
-    scene = world_spec(load_section("world", WorldParams, ["--params", ns.params])).scene_config()
-    p = load_section("sft", S.Params, ["--params", ns.params])
+    scene = read_scene(ns.world_dir)
+    p = load_section("sft", SFTParams, ["--params", ns.params])
     model, tok, proc = load_checkpoint(ns.model)
     train = zoom_captions(scene, n=ns.train, seed=0, mcq_share=0.0, attributes=ns.attributes)
     test = zoom_captions(scene, n=ns.test, seed=1, mcq_share=0.0, attributes=ns.attributes)

@@ -8,7 +8,7 @@ What it measures
     learned attention read-out over the merged image tokens (standing in for the language model's attention to the
     image) and four linear heads, one per attribute (fill colour; shape; letter or none; pattern or none), trained
     jointly by :func:`mars.train.vision.pretrain_vision` (the sft stage's phase 0, AdamW, summed cross-entropy) on
-    zoom crops (:func:`mars.synth.captions.zoom_crop`: a new random emblem on a zone crop of the default world's
+    zoom crops (:func:`mars.train.captions.zoom_crop`: a new random emblem on a zone crop of the default world's
     scenes, the images ``sft.pretrain_zoom_captions`` and phase 0 train on). Reported: held-out accuracy per
     attribute on crops drawn with another seed (the letter over crops with a letter, the pattern over crops with a
     pattern; chance 1/16, 1/8, 1/24, 1/7) for each tower (``HIDDENxLAYERS``), view side and learning rate, against the
@@ -31,7 +31,7 @@ letter 1% (at 0.05: 58%, 13%, 0%, 11%; docs/findings.md); a data-dependent patch
 tower's first layer set to the whitened principal components of the training crops' patches) reads no better held out
 (colour 42%, shape 16%, letter 2%, pattern 6% at 0.05).
 
-Run: ``python bench/probe_read.py [--towers 96x2 192x4] [--views 224 448] [--lrs 0.002 0.0005] [--steps 2000]
+Run: ``python probes/probe_read.py [--towers 96x2 192x4] [--views 224 448] [--lrs 0.002 0.0005] [--steps 2000]
 [--train 4000] [--test 400] [--target-zone 0.4] [--emblem-frac 0.05] [--patch-init random] [--arch qwen2_5_vl]``
 (a 448-px view holds 4x the pixels: keep ``--train`` near 1,000 there, or the crops fill the memory)
 """

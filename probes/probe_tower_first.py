@@ -1,17 +1,16 @@
 """Learnability probe: does teaching the vision tower the framed cell first make the localisation block reliable?
 
 What it measures
-    The sft stage's localisation block (``sft.locate_steps``) teaches the tiny model's first zoom through the
-    language model's loss, and whether its random-init tower found the red frame that way varied between runs
-    (docs/findings.md). Phase 0's localisation half (``sft.vision_locate_steps``; :func:`stages.sft.vision_locate`)
-    teaches the tower the framed cell directly before the block. This probe replays the block from a pipeline's
-    phase-1 state (``data/sft_ckpt/pretrain/step-*/state.pt``: the language model after the text-only pre-training
-    phase, which never touches the vision tower) with the untrained tower of ``data/sft/base``, twice per block
-    seed: as it is (the baseline) and after ``--tower-steps`` steps of phase-0 localisation. The block is the
-    stage's: its drills, its ``locate_mix`` share of phase 1's examples, its rates and schedule
-    (``--block-steps``, default ``sft.locate_steps``). Every ``--every`` block steps the model is scored on held-out
-    localisation drills (:func:`mars.synth.locate.framed_count`: new scenes, greedy first turn, the zoom's cell
-    against the teacher's).
+    The sft stage's localisation block (``sft.locate_steps``) teaches the tiny model's first zoom through the language
+    model's loss, and whether its random-init tower found the red frame that way varied between runs (docs/findings.md).
+    Phase 0's localisation half (``sft.vision_locate_steps``; :func:`mars.train.cold_start.vision_locate`) teaches the
+    tower the framed cell directly before the block. This probe replays the block from a pipeline's phase-1 state
+    (``data/sft_ckpt/pretrain/step-*/state.pt``: the language model after the text-only pre-training phase, which never
+    touches the vision tower) with the untrained tower of ``data/sft/base``, twice per block seed: as it is (the
+    baseline) and after ``--tower-steps`` steps of phase-0 localisation. The block is the stage's: its drills, its
+    ``locate_mix`` share of phase 1's examples, its rates and schedule (``--block-steps``, default
+    ``sft.locate_steps``). Every ``--every`` block steps the model is scored on held-out localisation drills
+    (:func:`mars.train.locate.framed_count`: new scenes, greedy first turn, the zoom's cell against the teacher's).
 
 Finding (docs/findings.md): from one pipeline's phase-1 state, 300 block steps alone framed 24 and 23 of 80
 held-out scenes (chance 20) with block seeds 0 and 1; after 150 tower steps (held-out cell 99%) the block framed 80
@@ -22,7 +21,7 @@ Not a speed benchmark: the numbers are held-out counts after fixed steps (determ
 Run (in a pipeline's working directory, after ``dvc repro`` reached sft; 2 minutes to prepare, then 3-4 minutes a
 variant)::
 
-    python bench/probe_tower_first.py [--tower-steps 150] [--block-steps 300] [--seeds 0 1] [--every 100]
+    python probes/probe_tower_first.py [--tower-steps 150] [--block-steps 300] [--seeds 0 1] [--every 100]
 """
 
 from __future__ import annotations
@@ -46,14 +45,14 @@ from mars.data.io import read_table  # noqa: E402
 from mars.data.schemas import QUESTIONS  # noqa: E402
 from mars.model.build import load_checkpoint  # noqa: E402
 from mars.stage import load_section  # noqa: E402
-from mars.synth.locate import framed_count, held_out_drills  # noqa: E402
+from mars.train.locate import framed_count, held_out_drills  # noqa: E402
 from mars.tools.base import TOOL_SCHEMAS  # noqa: E402
 from mars.train.checkpoint import load_model_weights  # noqa: E402
+from mars.train.cold_start import SFTParams, mix_in, vision_locate  # noqa: E402
 from mars.train.data import render_examples  # noqa: E402
+from mars.train.drawing import locate_block_dialogues, pretrain_dialogues  # noqa: E402
 from mars.train.sft import train_sft  # noqa: E402
-from stages import sft as S  # noqa: E402
-from stages.world import Params as WorldParams  # noqa: E402
-from stages.world import world_spec  # noqa: E402
+from mars.world.scenes import read_scene  # noqa: E402
 
 
 def newest_state(folder: Path) -> Path | None:
@@ -63,7 +62,7 @@ def newest_state(folder: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--params", default="params.yaml", help="its sft and agent sections")
     ap.add_argument("--base", default="data/sft/base", help="the untrained checkpoint the sft stage saved")
     ap.add_argument("--state", default="", help="the phase-1 state.pt (default: the newest under "
                     "data/sft_ckpt/pretrain)")
@@ -84,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.tower_steps < 1 or ns.every < 1 or ns.n < 1 or ns.block_steps < 0:
         ap.error("need --tower-steps, --every and --n >= 1 and --block-steps >= 0")
     argv_p = ["--params", ns.params]
-    p = load_section("sft", S.Params, argv_p)
+    p = load_section("sft", SFTParams, argv_p)
     p = dataclasses.replace(p, vision_locate_steps=ns.tower_steps, locate_steps=ns.block_steps or p.locate_steps)
     agent = load_section("agent", AgentParams, argv_p)
-    scene = world_spec(load_section("world", WorldParams, argv_p)).scene_config()
+    scene = read_scene(ns.world_dir)  # the world stage's scene knobs (its scene.json)
     system = (system_prompt if agent.prompt == "full" else compact_system_prompt)(TOOL_SCHEMAS)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
@@ -98,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     start = copy.deepcopy(model.state_dict())
     t0 = time.perf_counter()
     questions = read_table(Path(ns.questions), QUESTIONS).to_pylist()
-    pool = render_examples(S.pretrain_dialogues(p, agent, Path(ns.world_dir), Path(ns.index_dir), questions, scene,
-                                                system), proc, p.max_len, desc="rendering phase-1 data")
-    locate = S.locate_block_dialogues(p, scene, system)
+    pool = render_examples(pretrain_dialogues(p, agent, Path(ns.world_dir), Path(ns.index_dir), questions, scene,
+                                              system), proc, p.max_len, desc="rendering phase-1 data")
+    locate = locate_block_dialogues(p, scene, system)
     block = render_examples(locate, proc, p.max_len, desc="rendering block data")
-    kept = S._mix(pool, len(block), p.locate_mix, p.seed)
+    kept = mix_in(pool, len(block), p.locate_mix, p.seed)
     del pool
     drills, truth = held_out_drills(scene, ns.n, 99, compact_system_prompt(TOOL_SCHEMAS))
     print(f"block: {len(block)} drills + {len(kept)} phase-1 examples, {p.locate_steps} steps; {ns.n} held-out "
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
                 if variant != "block only":
-                    cell = S.vision_locate(p, model, proc, scene, locate, Path(tmp) / "tower", "probe")[
+                    cell = vision_locate(p, model, proc, scene, locate, Path(tmp) / "tower", "probe")[
                         "vision_locate_test_cell"]
                 counts: list[int] = []
 

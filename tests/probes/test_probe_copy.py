@@ -1,4 +1,4 @@
-"""bench/probe_copy.py's pure parts: the three prompts of an answer turn and how a generated turn is scored."""
+"""probes/probe_copy.py's pure parts: the three prompts of an answer turn and how a generated turn is scored."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from PIL import Image
 
 from tests.conftest import REPO
 
-_spec = importlib.util.spec_from_file_location("probe_copy", REPO / "bench" / "probe_copy.py")
+_spec = importlib.util.spec_from_file_location("probe_copy", REPO / "probes" / "probe_copy.py")
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
 

@@ -1,4 +1,4 @@
-"""bench/probe_read.py's pure part: the data-dependent patch embedding (``--patch-init pca``)."""
+"""probes/probe_read.py's pure part: the data-dependent patch embedding (``--patch-init pca``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from mars.model.build import build_model, tiny_config
 from tests.conftest import REPO
 
-_spec = importlib.util.spec_from_file_location("probe_read", REPO / "bench" / "probe_read.py")
+_spec = importlib.util.spec_from_file_location("probe_read", REPO / "probes" / "probe_read.py")
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
 

@@ -26,13 +26,14 @@ How to run (Python)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from PIL import Image
 
 from mars.agent.protocol import format_answer
 from mars.agent.teacher import ATTRIBUTE_WORDS, THINK
+from mars.train.data import in_view
 from mars.world.emblems import random_emblem, render_emblem
 from mars.world.questions import (ATTRIBUTES, FRAMED_SUBJECT, PERCEPTION_QUESTIONS, attribute_value, check_attributes,
                                   question_text)
@@ -44,7 +45,8 @@ ZOOM_LONG_SIDE = 448  # zoom captions are kept at about twice the policy's 224-p
 
 
 def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float = 0.5,
-                  max_side: int = ZOOM_LONG_SIDE, attributes: Sequence[str] | None = None) -> list[list[dict]]:
+                  max_side: int = ZOOM_LONG_SIDE, attributes: Sequence[str] | None = None,
+                  view: Callable[[Image.Image], Image.Image] | None = None) -> list[list[dict]]:
     """``n`` dialogues ``[user: a zone crop + perception question, assistant: the teacher's answer]`` about new random
     emblems drawn at the scale of a zoom on ``scene``'s target zone (module docstring, "Zoom captions"); a crop
     longer than ``max_side`` pixels is scaled down to it (the processor shrinks it to the policy's view anyway).
@@ -64,10 +66,10 @@ def zoom_captions(scene: SceneConfig, *, n: int, seed: int = 0, mcq_share: float
         while not any(attribute_value(spec, a) is not None for a in attributes):
             img, spec = zoom_crop(scene, rng, max_side)
         text, reply = _attribute_qa(spec, FRAMED_SUBJECT, THINK["answer_attr"], rng, mcq_share, attributes)
-        out.append([
+        out.append(in_view([
             {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": text}]},
             {"role": "assistant", "content": reply},
-        ])
+        ], view))
     return out
 
 

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from mars.model.chat import Rendered, render
 
-__all__ = ["dialogue_from_row", "dialogues_digest", "render_examples", "PackedPixels", "pack_pixels", "unpack_pixels",
+__all__ = ["dialogue_from_row", "dialogues_digest", "in_view", "render_examples", "PackedPixels", "pack_pixels", "unpack_pixels",
            "EpochSampler", "collate", "Batch", "label_logits", "length_chunks"]
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,23 @@ def dialogue_from_row(messages_json: str, images: list[bytes]) -> list[dict]:
                     parts.append({"type": "text", "text": p.get("text", "")})
             content = parts
         out.append({"role": m["role"], "content": content})
+    return out
+
+
+def in_view(dialogue: list[dict], view) -> list[dict]:
+    """``dialogue`` with every image replaced by ``view(image)`` (``dialogue`` itself when ``view`` is None).
+
+    The drills draw their images larger than the policy sees them; with ``view`` the policy's view
+    (:func:`mars.tools.imaging.policy_view` at the processor's pixel bounds) they keep a quarter of the memory and
+    render to exactly the same pixel values: the processor resizes an image already at its size to itself."""
+    if view is None:
+        return dialogue
+    out = []
+    for m in dialogue:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [{**p, "image": view(p["image"])} if p.get("type") == "image" else p for p in content]
+        out.append({**m, "content": content})
     return out
 
 

@@ -33,8 +33,8 @@ from mars.world.questions import asked_attributes
 from mars.world.scenes import SceneConfig
 
 __all__ = ["teacher_trajectories", "tokenizer_texts", "pretrain_dialogues", "reading_dialogues", "play_and_draw",
-           "check_drills", "locate_block_dialogues", "vision_drills", "frame_stage_dialogues", "world_colours",
-           "check_scene"]
+           "check_drills", "locate_block_dialogues", "PolicyView", "agent_view", "vision_drills", "frame_stage_dialogues",
+           "world_colours", "check_scene"]
 TEACHER_CHUNK = 64  # teacher episodes played at once (bounds the memory of full-resolution scenes)
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def pretrain_dialogues(params: SFTParams, agent: AgentParams, world_dir: Path, i
                              seed=params.seed)
     if params.locate_steps or scene is None:
         return drills
-    return drills + vision_drills(params, scene, system, asked_attributes(all_questions))
+    return drills + vision_drills(params, scene, system, asked_attributes(all_questions), agent_view(agent))
 
 
 def reading_dialogues(params: SFTParams, agent: AgentParams, world_dir: Path, index_dir: Path,
@@ -140,7 +140,7 @@ def play_and_draw(params: SFTParams, agent: AgentParams, inputs: dict[str, Path]
     with mp.get_context("spawn").Pool(workers) as drawer:
         reading = drawer.apply_async(reading_dialogues, (params, agent, inputs["world_dir"], inputs["index_dir"],
                                                          all_questions, scene, system))
-        block = drawer.apply_async(locate_block_dialogues, (params, scene, system, attributes))
+        block = drawer.apply_async(locate_block_dialogues, (params, scene, system, attributes, agent_view(agent)))
         questions = [q for q in all_questions if q["split"] == "sft"]
         trajs, stats = teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
                                             inputs["index_dir"])
@@ -188,28 +188,56 @@ def _reading_drills(agent: AgentParams, world_dir: Path, index_dir: Path, entiti
 
 
 def locate_block_dialogues(params: SFTParams, scene: SceneConfig | None = None, system: str | None = None,
-                           attributes: Sequence[str] | None = None) -> list[list[dict]]:
+                           attributes: Sequence[str] | None = None, view: Callable | None = None
+                           ) -> list[list[dict]]:
     """The localisation block's data (``locate_steps`` > 0, else none): the vision drills
-    (:func:`vision_drills`), the same draw phase 1 would get."""
+    (:func:`vision_drills`, images kept in ``view``), the same draw phase 1 would get."""
     if params.locate_steps == 0:
         return []
     check_scene(params, scene)
-    return vision_drills(params, scene, system, attributes)
+    return vision_drills(params, scene, system, attributes, view)
+
+
+class PolicyView:
+    """An image as the policy sees it: resized (bicubic) to :func:`mars.tools.imaging.smart_resize` of its size at
+    the processor's pixel bounds, when that size is a fixed point of the rule (the processor then resizes it to
+    itself, so it renders to the same pixel values); else the image as it is (a rounding below ``min_pixels`` would
+    be resized again). The drills keep their images so (:func:`mars.train.data.in_view`): a quarter of the memory."""
+
+    def __init__(self, min_pixels: int, max_pixels: int, factor: int):
+        self.min_pixels, self.max_pixels, self.factor = min_pixels, max_pixels, factor
+
+    def __call__(self, image):
+        from PIL import Image
+
+        from mars.tools.imaging import smart_resize
+
+        h, w = smart_resize(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
+        if (h, w) == (image.height, image.width) or smart_resize(h, w, self.factor, self.min_pixels,
+                                                                 self.max_pixels) != (h, w):
+            return image
+        return image.convert("RGB").resize((w, h), Image.Resampling.BICUBIC)
+
+
+def agent_view(agent: AgentParams) -> PolicyView:
+    """The policy's view at the agent's pixel bounds (those of the processor: :class:`PolicyView`)."""
+    return PolicyView(agent.min_pixels, agent.max_pixels, agent.factor)
 
 
 def vision_drills(params: SFTParams, scene: SceneConfig, system: str | None = None,
-                  attributes: Sequence[str] | None = None) -> list[list[dict]]:
+                  attributes: Sequence[str] | None = None, view: Callable | None = None) -> list[list[dict]]:
     """``pretrain_locate`` localisation drills on new scenes drawn with the world's ``scene`` knobs
     (:mod:`mars.train.locate`, with the episodes' ``system`` prompt) and ``pretrain_zoom_captions`` new emblems at a
     zoom's scale (:func:`mars.train.captions.zoom_captions`), both asking about ``attributes``
     (:func:`mars.world.questions.asked_attributes` of the questions file; all when None): phase 1's when
-    ``locate_steps`` is 0, else the block's."""
+    ``locate_steps`` is 0, else the block's. ``view``: each image as kept (:func:`agent_view`; as drawn when None)."""
     from mars.train.captions import zoom_captions
     from mars.train.locate import locate_dialogues
 
     return (locate_dialogues(scene, n=params.pretrain_locate, seed=params.seed, system=system, attributes=attributes,
-                             answer_share=params.locate_answers)
-            + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed, attributes=attributes))
+                             answer_share=params.locate_answers, view=view)
+            + zoom_captions(scene, n=params.pretrain_zoom_captions, seed=params.seed, attributes=attributes,
+                            view=view))
 
 
 def world_colours(params: SFTParams, scene: SceneConfig | None, world_dir: Path) -> SceneConfig | None:

@@ -41,13 +41,15 @@ How to run (Python)::
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
+from PIL import Image
 
 from mars.agent.oracle import zone_zoom_box
 from mars.agent.protocol import format_tool_call
 from mars.agent.teacher import THINK, ZOOM_LABEL, asked_word
+from mars.train.data import in_view
 from mars.train.drills import scored_once
 from mars.world.emblems import random_emblem
 from mars.world.questions import (ATTRIBUTES, FACT_QUESTIONS, FACTS, FRAMED_SUBJECT, MULTIHOP_SUBJECT,
@@ -72,6 +74,7 @@ def locate_dialogues(
     long_side: tuple[int, int] = LOCATE_LONG_SIDE,
     attributes: Sequence[str] | None = None,
     answer_share: float = 0.0,
+    view: Callable[[Image.Image], Image.Image] | None = None,
 ) -> list[list[dict]]:
     """``n`` dialogues ``[system?, user: scene + question, assistant: the zoom call]``; see the module docstring.
     With ``answer_share`` > 0 that share of the perception drills (asking an attribute the target emblem has) go on
@@ -141,7 +144,7 @@ def locate_dialogues(
         ]
         if answered is not None:
             dialogue += _answer_turns(scene, answered, target, zone_zoom_box(truth), answer_rng)
-        out.append(dialogue)
+        out.append(in_view(dialogue, view))  # each drill's images in the policy's view as it is drawn
     return out
 
 

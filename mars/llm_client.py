@@ -18,6 +18,10 @@ What it does
       up to 30 s). Any other 4xx fails at once.
     - A request that still fails raises :class:`LLMError`, one line naming the endpoint, the HTTP status or the
       network error, and the number of attempts; so does an answer that is not a chat completion.
+    - ``max_response_bytes`` (32 MiB; ``None``: no cap) bounds an answer's body: one declared larger
+      (``Content-Length``) is refused before it is read, one streamed past the cap (chunked, or an endless body a
+      read timeout never ends) is cut there. Either raises :class:`LLMError` at once, not retried (the same
+      request would get the same body). A 50 MB answer read whole costs about 1.7x its size in memory.
     - ``timeout_s`` bounds each attempt (connect, read, write, pool). ``api_key`` is sent as
       ``Authorization: Bearer``; without one the placeholder ``"EMPTY"`` is sent (a local vLLM or ``mars serve``
       server ignores it), never the environment's ``OPENAI_API_KEY``. ``headers`` of one request override it.
@@ -47,6 +51,7 @@ from typing import Any, Mapping
 
 import httpx
 
+from mars.errors import StageError
 from mars.retry import backoff_delay, retry_after_s
 
 __all__ = ["ChatClient", "LLMError", "message_text"]
@@ -54,7 +59,7 @@ __all__ = ["ChatClient", "LLMError", "message_text"]
 log = logging.getLogger(__name__)
 
 
-class LLMError(RuntimeError):
+class LLMError(StageError, RuntimeError):
     """A chat request failed: refused, still failing after the retries, or answered with no chat completion.
 
     ``status`` is the last HTTP status (``None`` for a network error or an unreadable answer); ``refused`` is
@@ -113,11 +118,51 @@ def _sdk() -> tuple[type, frozenset[str]]:
     return _OpenAI, create_args
 
 
+MAX_RESPONSE_BYTES = 32 * 2**20  # the default cap on an answer's body
+
+
+@functools.cache
+def _too_large() -> type:
+    """The error a capped body raises inside the HTTP client: an ``openai.OpenAIError``, which the ``openai``
+    package passes on without retrying; :meth:`ChatClient.complete` turns it into an :class:`LLMError`."""
+    import openai
+
+    class ResponseTooLarge(openai.OpenAIError):
+        def __init__(self, message: str, status: int) -> None:
+            super().__init__(message)
+            self.status = status
+
+    return ResponseTooLarge
+
+
+@functools.cache
+def _capped_stream(base: type) -> type:
+    """A ``SyncByteStream`` (of ``base``: httpx's or httpx2's, as the response's) that raises past ``cap`` bytes."""
+
+    class CappedStream(base):
+        def __init__(self, inner: Any, cap: int, status: int) -> None:
+            self.inner, self.cap, self.status, self.seen = inner, cap, status, 0
+
+        def __iter__(self):
+            for chunk in self.inner:
+                self.seen += len(chunk)
+                if self.seen > self.cap:
+                    raise _too_large()(f"a body over max_response_bytes ({self.cap:,} bytes; cut at "
+                                       f"{self.seen:,})", self.status)
+                yield chunk
+
+        def close(self) -> None:
+            self.inner.close()
+
+    return CappedStream
+
+
 class ChatClient:
     """An OpenAI-compatible ``/chat/completions`` endpoint with retries and counters (see the module docstring).
 
     ``http_client`` (an ``httpx.Client``) shares a connection pool; it is then not closed by :meth:`close`.
-    ``name`` is how errors and logs call the endpoint ("judge", "summariser", ...).
+    ``name`` is how errors and logs call the endpoint ("judge", "summariser", ...). ``max_response_bytes`` caps
+    an answer's body (see the module docstring; on a shared ``http_client`` only the requests to ``base_url``).
     """
 
     def __init__(
@@ -130,6 +175,7 @@ class ChatClient:
         backoff_s: float = 0.5,
         http_client: httpx.Client | None = None,
         name: str = "LLM endpoint",
+        max_response_bytes: int | None = MAX_RESPONSE_BYTES,
     ) -> None:
         if not isinstance(base_url, str) or not base_url.strip():
             raise ValueError(f"{name}: base_url must be a non-empty URL such as http://127.0.0.1:8000/v1, "
@@ -140,6 +186,10 @@ class ChatClient:
             raise ValueError(f"{name}: retries must be an integer >= 0, got {retries!r}")
         if not (isinstance(backoff_s, (int, float)) and math.isfinite(backoff_s) and backoff_s >= 0):
             raise ValueError(f"{name}: backoff_s must be a number >= 0, got {backoff_s!r}")
+        if max_response_bytes is not None and (isinstance(max_response_bytes, bool)
+                                               or not isinstance(max_response_bytes, int) or max_response_bytes < 1):
+            raise ValueError(f"{name}: max_response_bytes must be an integer >= 1 or None, got {max_response_bytes!r}")
+        self.max_response_bytes = max_response_bytes
         self.base_url = base_url.strip().rstrip("/")
         self.url = self.base_url + "/chat/completions"
         self.timeout_s = float(timeout_s)
@@ -148,6 +198,13 @@ class ChatClient:
         self.name = name
         self._own_client = http_client is None
         sdk_client, self._create_args = _sdk()
+        self._hooked = http_client
+        if http_client is None:
+            import openai
+
+            http_client = openai.DefaultHttpxClient()  # the client the package makes itself, with our hook
+        http_client.event_hooks = {**http_client.event_hooks,
+                                   "response": [*http_client.event_hooks.get("response", []), self._cap_response]}
         self._openai = sdk_client(base_url=self.base_url, api_key=api_key or "EMPTY", timeout=self.timeout_s,
                                   max_retries=retries, http_client=http_client)
         self._openai._owner = self
@@ -160,6 +217,11 @@ class ChatClient:
         """Close the connection pool if this client created it."""
         if self._own_client:
             self._openai.close()
+        elif self._hooked is not None:  # a shared pool outlives this client: take our hook off it
+            hooks = self._hooked.event_hooks
+            self._hooked.event_hooks = {**hooks, "response": [h for h in hooks.get("response", [])
+                                                              if h != self._cap_response]}
+            self._hooked = None
 
     def __enter__(self) -> ChatClient:
         return self
@@ -169,6 +231,19 @@ class ChatClient:
 
     def __repr__(self) -> str:  # never shows the key
         return f"ChatClient({self.base_url!r}, name={self.name!r}, retries={self.retries})"
+
+    def _cap_response(self, response: Any) -> None:
+        """httpx response hook: refuse a body declared over ``max_response_bytes``, cut one streamed past it."""
+        cap = self.max_response_bytes
+        if cap is None or not str(response.request.url).startswith(self.base_url + "/"):
+            return
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise _too_large()(f"a body over max_response_bytes ({cap:,} bytes; Content-Length {int(declared):,})",
+                               response.status_code)
+        base = next((c for c in type(response.stream).__mro__ if c.__name__ == "SyncByteStream"), None)
+        if base is not None:  # a body already in memory (a test transport) has nothing left to cap
+            response.stream = _capped_stream(base)(response.stream, cap, response.status_code)
 
     def _wait_before_retry(self, retries_taken: int, max_retries: int, response: httpx.Response | None) -> None:
         retry_after = retry_after_s(response.headers.get("retry-after")) if response is not None else None
@@ -223,6 +298,9 @@ class ChatClient:
                                                               extra_headers=dict(headers) if headers else None)
             except openai.APIError as exc:
                 raise self._error(exc) from None
+            except _too_large() as exc:
+                raise LLMError(f"{self.name} at {self.url} answered HTTP {exc.status} with {exc}; not retried",
+                               status=exc.status) from None
             except json.JSONDecodeError as exc:
                 raise LLMError(f"{self.name} at {self.url} answered with a body that is not JSON: {exc}") from None
             if not hasattr(answer, "to_dict"):

@@ -6,21 +6,67 @@ dataclass, ``run(params, inputs, outputs)`` and ``main(argv)``. ``main`` calls
 come only from dvc.yaml), loads and validates the params (failing before any work on a typo),
 and sets up logging. The stage name is the
 dvc.yaml key, the params.yaml section, the module name and the Prefect task name.
+
+``main`` runs inside :func:`expected_errors`: an expected error (:class:`mars.errors.StageError`: bad input, a
+stale upstream artifact, a failed quality suite, an endpoint that stays down) ends the stage with one last line
+``error: <message>`` on stderr and exit status 1, as a params error does; any other exception keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
+import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from mars.data.io import atomic_write_text
+from mars.errors import StageError
 from mars.params import ParamsError, load_params
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+_BULLET = re.compile(r"^[-*]\s+")
+
+
+def error_lines(exc: BaseException) -> tuple[list[str], str]:
+    """``(details, last)``: how an expected error is shown. ``last`` is the one line ``error: <message>``.
+
+    A one-line message is ``last`` alone; a message with one detail line under its head (``head:\n  - detail``)
+    is joined into ``last``; with several, the detail lines come first and ``last`` is the head, so the
+    output still ends with the one ``error:`` line."""
+    lines = [ln.rstrip() for ln in str(exc).strip().splitlines() if ln.strip()] or [type(exc).__name__]
+    head, details = lines[0], lines[1:]
+    if not details:
+        return [], f"error: {head}"
+    head = head.rstrip().rstrip(":")
+    if len(details) == 1:
+        return [], f"error: {head}: {_BULLET.sub('', details[0].strip())}"
+    return details, f"error: {head} (the {len(details)} lines above)"
+
+
+@contextlib.contextmanager
+def expected_errors() -> Iterator[None]:
+    """End the stage on an expected error with its message alone; let every other exception keep its traceback.
+
+    Every stage's ``main`` runs its work inside this block. On a :class:`mars.errors.StageError` (whatever else it
+    subclasses) the message's detail lines, if any, go to stderr and the process ends with ``SystemExit("error:
+    <message>")``: one last line on stderr, exit status 1. With ``-v`` the traceback is logged first (debug)."""
+    try:
+        yield
+    except StageError as exc:
+        log.debug("the expected error's traceback", exc_info=True)
+        details, last = error_lines(exc)
+        for line in details:
+            print(line, file=sys.stderr)
+        sys.stderr.flush()
+        raise SystemExit(last) from None
+
 
 def stage_args(
     section: str,

@@ -4,11 +4,15 @@ The Prefect flow never re-implements a stage: it asks DVC. :func:`read_dag` read
 dvc.yaml (stage names, deps, outs, metrics; the DAG follows from outs feeding deps) and
 :func:`ordered` gives a topological order of a subset plus everything it needs.
 :func:`run_dvc` runs one DVC command and streams its output line by line to a callback.
+A command refused because another DVC process holds the repository (its lock, or the read/write
+lock of a running stage's files) is reported as :class:`DvcLocked`, whose message says so and
+names the process (:func:`lock_message`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -20,6 +24,33 @@ import yaml
 
 class DvcError(RuntimeError):
     """A DVC command failed or dvc.yaml is not what the pipeline expects."""
+
+
+class DvcLocked(DvcError):
+    """A DVC command was refused because another DVC process (a ``dvc repro``, ``dvc exp run`` or another flow run)
+    holds the repository."""
+
+
+_BUSY = re.compile(r"'([^']+)' is busy, it is being blocked by:\s*\(PID (\d+)\): ([^\n]*)")
+
+
+def lock_message(output: str, repo: str | Path, command: str) -> str | None:
+    """The one-line error for a DVC ``command`` whose ``output`` is DVC's refusal to run beside another DVC process,
+    else None. DVC refuses in two ways: the repository lock (``.dvc/tmp/lock``, held while a command reads or writes
+    dvc.yaml / dvc.lock; waited for 3 s) and the read/write lock of a running stage's files (``.dvc/tmp/rwlock``)."""
+    repo = Path(repo)
+    if "Unable to acquire lock" in output:
+        return (f"{command}: the DVC repository {repo} is locked by another run (DVC could not take "
+                f"{repo / '.dvc/tmp/lock'}); wait for the other dvc repro, dvc exp run or mars pipeline to finish and "
+                f"run again; if none is running, a killed run left the lock behind: delete that file")
+    found = _BUSY.search(output)
+    if found:
+        path, pid, cmd = found.groups()
+        cmd = re.sub(r"\S*dvc/__main__\.py", "dvc", cmd.strip())
+        return (f"{command}: the DVC repository {repo} is locked by another run: PID {pid} ({cmd}) is running a "
+                f"stage that uses {path}; wait for it to finish and run again; if no process {pid} exists, a killed "
+                f"run left the lock behind: delete {repo / '.dvc/tmp/rwlock'}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -131,6 +162,9 @@ def stage_is_current(stage: str, repo: str | Path) -> bool:
         dvc_bin() + ["status", "--json", stage], cwd=repo, env=dvc_env(), capture_output=True, text=True
     )
     if proc.returncode != 0:
+        locked = lock_message(proc.stdout + proc.stderr, repo, f"dvc status {stage}")
+        if locked:
+            raise DvcLocked(locked)
         raise DvcError(f"dvc status {stage} failed:\n{proc.stdout}\n{proc.stderr}")
     import json
 

@@ -36,7 +36,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from mars.params import build_dataclass, read_params_file
-from pipelines.dvc import DvcError, ordered, read_dag, run_dvc, stage_is_current
+from pipelines.dvc import DvcError, DvcLocked, lock_message, ordered, read_dag, run_dvc, stage_is_current
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,9 @@ def run_stage(stage: str, repo: str, overrides: dict[str, Any], metrics_paths: t
     logger.info("dvc %s", " ".join(args))
     code, output = run_dvc(args, root, on_line=logger.info)
     if code != 0:
+        locked = lock_message(output, root, f"dvc {' '.join(args)}")
+        if locked:
+            raise DvcLocked(locked)
         raise DvcError(f"dvc {' '.join(args)} failed with exit code {code} (see the log above)")
     ran = stage in _RAN.findall(output)
     if overrides:

@@ -7,6 +7,13 @@ Writes ``curated.parquet``, ``rejects.parquet`` and ``derivatives/`` into one ou
 directory that replaces the previous one only when every check passed: every raw image
 lands in exactly one of the two tables, and both pass their quality suites.
 
+Every raw file counts, whatever it is: a source hands over everything it found (a folder's
+empty files, text files, directories named like images, links out of it: :mod:`mars.world.folder`)
+and curation rejects each with a reason. For the URL source, the URLs that never became a raw
+image (the world stage's ``download_failures.parquet``, read from beside ``raw_images``) are added
+to ``rejects`` too (:func:`mars.curate.download.failures_as_rejects`), so every URL ends in one
+of the two tables.
+
 For the generated world, each planted trap's ``expected_reason`` is compared with the
 reason curation gave; ``planted_recall`` (share of traps handled as expected) is a metric.
 
@@ -27,12 +34,16 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
-from mars.data.schemas import RAW_IMAGES
-from mars.stage import stage_args, write_metrics
+from mars.data.schemas import DOWNLOAD_FAILURES, RAW_IMAGES
+from mars.stage import expected_errors, stage_args, write_metrics
 
 SECTION = "curate"
+FAILURES_FILE = "download_failures.parquet"  # the world stage's, for source=urls; beside raw_images
 log = logging.getLogger(__name__)
 
 
@@ -59,6 +70,17 @@ def check_partition(raw_ids: list[str], curated_ids: list[str], reject_ids: list
         )
 
 
+def _add_url_rejects(rejects: pa.Table, url_rejects: pa.Table, curated_ids: list[str]) -> pa.Table:
+    """``rejects`` plus the URL source's failures, sorted by image_id; their ids must be new."""
+    taken = set(rejects.column("image_id").to_pylist()) | set(curated_ids)
+    clash = set(url_rejects.column("image_id").to_pylist()) & taken
+    if clash:
+        raise RuntimeError(f"curate: download failure ids {sorted(clash)[:5]} clash with raw image ids; "
+                           "rerun the world stage")
+    merged = pa.concat_tables([rejects, url_rejects])
+    return merged.take(pc.sort_indices(merged, sort_keys=[("image_id", "ascending")]))
+
+
 def planted_outcomes(raw: list[dict], reasons: dict[str, str]) -> dict[str, dict]:
     """For each planted trap: its expected reason and what curation gave (None = kept).
 
@@ -82,6 +104,9 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
     from mars.curate.pool import CurateConfig, curate_pool
 
     raw = read_table(inputs["raw_images"], RAW_IMAGES)
+    beside = Path(inputs["raw_images"]).with_name(FAILURES_FILE)
+    failures = (read_table(inputs["download_failures"], DOWNLOAD_FAILURES) if inputs.get("download_failures")
+                else read_table(beside, DOWNLOAD_FAILURES) if beside.is_file() else None)
     shared = {f.name: getattr(params, f.name) for f in dataclasses.fields(CurateConfig) if f.name != "workers"}
     cfg = CurateConfig(**shared, workers=params.workers or os.cpu_count() or 1)
     t0 = time.perf_counter()
@@ -92,6 +117,10 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
             curated.column("image_id").to_pylist(),
             rejects.column("image_id").to_pylist(),
         )
+        if failures is not None and failures.num_rows:
+            from mars.curate.download import failures_as_rejects
+
+            rejects = _add_url_rejects(rejects, failures_as_rejects(failures), curated.column("image_id").to_pylist())
         write_artifacts({out / "curated.parquet": (curated, "curated"), out / "rejects.parquet": (rejects, "rejects")})
     seconds = time.perf_counter() - t0
     reasons = dict(zip(rejects.column("image_id").to_pylist(), rejects.column("reason").to_pylist()))
@@ -103,6 +132,7 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
         "raw": raw.num_rows,
         "curated": curated.num_rows,
         "rejected": rejects.num_rows,
+        **({"download_failures": failures.num_rows} if failures is not None else {}),
         "reasons": dict(sorted(Counter(reasons.values()).items())),
         "images_per_s": round(raw.num_rows / max(seconds, 1e-9), 2),
     }
@@ -114,10 +144,12 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    params, inputs, outputs = stage_args(
-        SECTION, Params, argv, inputs=("raw_images", "raw_dir"), outputs=("out", "metrics")
-    )
-    run(params, inputs, outputs)
+    with expected_errors():
+        params, inputs, outputs = stage_args(
+            SECTION, Params, argv, inputs=("raw_images", "raw_dir"), outputs=("out", "metrics"),
+            optional_inputs=("download_failures",),
+        )
+        run(params, inputs, outputs)
     return 0
 
 

@@ -48,7 +48,7 @@ import pyarrow.compute as pc
 from mars.agent.config import AgentParams
 from mars.data.io import atomic_dir
 from mars.data.quality import write_artifacts
-from mars.stage import load_section, stage_args, write_metrics
+from mars.stage import expected_errors, load_section, stage_args, write_metrics
 
 SECTION = "evaluate"
 log = logging.getLogger(__name__)
@@ -222,11 +222,12 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    params, inputs, outputs = stage_args(
-        SECTION, Params, argv, inputs=("questions", "image_root", "world_dir", "index_dir"),
-        outputs=("out", "progress", "metrics"), optional_inputs=("sft", "rl"),
-    )
-    run(params, load_section("agent", AgentParams, argv), inputs, outputs)
+    with expected_errors():
+        params, inputs, outputs = stage_args(
+            SECTION, Params, argv, inputs=("questions", "image_root", "world_dir", "index_dir"),
+            outputs=("out", "progress", "metrics"), optional_inputs=("sft", "rl"),
+        )
+        run(params, load_section("agent", AgentParams, argv), inputs, outputs)
     return 0
 
 

@@ -33,7 +33,7 @@ from PIL import Image
 
 from mars.data.io import atomic_dir, atomic_write_text, read_table
 from mars.data.schemas import CORPUS, ENTITIES, GALLERY
-from mars.stage import stage_args, write_metrics
+from mars.stage import expected_errors, stage_args, write_metrics
 
 SECTION = "index"
 log = logging.getLogger(__name__)
@@ -128,10 +128,11 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    params, inputs, outputs = stage_args(
-        SECTION, Params, argv, inputs=("entities", "corpus", "gallery", "gallery_dir"), outputs=("out", "metrics")
-    )
-    run(params, inputs, outputs)
+    with expected_errors():
+        params, inputs, outputs = stage_args(
+            SECTION, Params, argv, inputs=("entities", "corpus", "gallery", "gallery_dir"), outputs=("out", "metrics")
+        )
+        run(params, inputs, outputs)
     return 0
 
 

@@ -40,7 +40,7 @@ from mars.agent.config import AgentParams
 from mars.data.io import atomic_dir, atomic_write_text, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import QUESTIONS, TRAJECTORIES
-from mars.stage import load_section, stage_args, write_metrics
+from mars.stage import expected_errors, load_section, stage_args, write_metrics
 
 SECTION = "rl"
 log = logging.getLogger(__name__)
@@ -165,11 +165,12 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    params, inputs, outputs = stage_args(
-        SECTION, Params, argv, inputs=("questions", "image_root", "world_dir", "index_dir", "sft"),
-        outputs=("out", "checkpoints", "live", "metrics"),
-    )
-    run(params, load_section("agent", AgentParams, argv), inputs, outputs)
+    with expected_errors():
+        params, inputs, outputs = stage_args(
+            SECTION, Params, argv, inputs=("questions", "image_root", "world_dir", "index_dir", "sft"),
+            outputs=("out", "checkpoints", "live", "metrics"),
+        )
+        run(params, load_section("agent", AgentParams, argv), inputs, outputs)
     return 0
 
 

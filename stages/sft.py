@@ -48,7 +48,7 @@ from mars.agent.config import AgentParams
 from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import QUESTIONS
-from mars.stage import load_section, stage_args, write_metrics
+from mars.stage import expected_errors, load_section, stage_args, write_metrics
 from mars.train.cold_start import PHASES, SFTParams, check_arch, phase_keys, prepare, run_phases
 from mars.world.questions import asked_attributes
 from mars.world.scenes import SceneConfig
@@ -112,14 +112,15 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    params, inputs, outputs = stage_args(
-        SECTION, Params, argv, inputs=("questions", "image_root", "world_dir", "index_dir"),
-        outputs=("out", "checkpoints", "live", "metrics"),
-    )
-    agent = load_section("agent", AgentParams, argv)
-    from mars.world.scenes import read_scene
+    with expected_errors():
+        params, inputs, outputs = stage_args(
+            SECTION, Params, argv, inputs=("questions", "image_root", "world_dir", "index_dir"),
+            outputs=("out", "checkpoints", "live", "metrics"),
+        )
+        agent = load_section("agent", AgentParams, argv)
+        from mars.world.scenes import read_scene
 
-    run(params, agent, inputs, outputs, scene=read_scene(inputs["world_dir"]))  # the world's own scene knobs
+        run(params, agent, inputs, outputs, scene=read_scene(inputs["world_dir"]))  # the world's own scene knobs
     return 0
 
 

@@ -45,7 +45,7 @@ from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import CURATED, QUESTIONS
 from mars.agent.config import AgentParams
-from mars.stage import load_section, stage_args, write_metrics
+from mars.stage import expected_errors, load_section, stage_args, write_metrics
 from mars.synth.splits import SPLITS, plan_splits, split_report
 from mars.world.questions import ATTRIBUTES
 
@@ -220,10 +220,11 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path], agent
 
 
 def main(argv: list[str] | None = None) -> int:
-    params, inputs, outputs = stage_args(
-        SECTION, Params, argv, inputs=("world_dir", "curated", "index_dir"), outputs=("out", "metrics"),
-    )
-    run(params, inputs, outputs, load_section("agent", AgentParams, argv))
+    with expected_errors():
+        params, inputs, outputs = stage_args(
+            SECTION, Params, argv, inputs=("world_dir", "curated", "index_dir"), outputs=("out", "metrics"),
+        )
+        run(params, inputs, outputs, load_section("agent", AgentParams, argv))
     return 0
 
 

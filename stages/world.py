@@ -6,9 +6,13 @@ gallery, and a raw image pool of high-resolution scenes (plus planted curation t
 their world truth. ``source`` picks where the raw pool comes from:
 
 - ``generated`` (default): the scenes and traps above;
-- ``folder``: a user's folder of images (``folder``), copied in as they are;
+- ``folder``: a user's folder of images (``folder``): every entry is handed to curation as it is,
+  whatever its name, size or kind, and curation rejects what is not a good image with a reason
+  (:mod:`mars.world.folder`); only a missing or empty folder fails the stage;
 - ``urls``: a text file of image URLs (``urls_file``, one per line, ``#`` comments),
-  downloaded with bounded concurrency, retries and checks (:mod:`mars.curate.download`).
+  downloaded with bounded concurrency, retries and checks (:mod:`mars.curate.download`); the
+  URLs that fail are listed in ``download_failures.parquet``, which the curate stage adds to its
+  rejects.
 
 Entities, corpus and gallery are generated for every source. Outputs go to one directory
 (``raw/``, ``gallery/`` and the parquet tables, each checked by its quality suite) that
@@ -34,8 +38,9 @@ from typing import Literal
 
 from mars.data.io import atomic_dir
 from mars.data.quality import write_artifacts
+from mars.data.schemas import DOWNLOAD_FAILURES
 from mars.data.suites import rows
-from mars.stage import stage_args, write_metrics
+from mars.stage import expected_errors, stage_args, write_metrics
 from mars.world.generate import WorldSpec, generate_world
 from mars.world.scenes import write_scene
 
@@ -90,6 +95,10 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
     workers = params.workers or os.cpu_count() or 1
     t0 = time.perf_counter()
     metrics: dict = {"source": params.source}
+    if params.source == "folder":  # a missing or empty folder fails before any work, in one line
+        from mars.world.folder import check_folder
+
+        check_folder(params.folder)
     with atomic_dir(outputs["out"]) as out:
         spec = world_spec(params)
         tables = generate_world(spec, out / "raw", out / "gallery", progress=True, workers=workers)
@@ -114,8 +123,8 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
             for row in failures.to_pylist():
                 log.warning("download failed: %s: %s (%s)", row["url"], row["reason"], row["detail"])
         artifacts = dict(tables.as_dict(), raw_images=raw_images)
-        if params.source == "urls":
-            artifacts["download_failures"] = failures
+        # always written (empty but for source=urls), so the curate stage's dvc.yaml deps can name it
+        artifacts["download_failures"] = failures if params.source == "urls" else DOWNLOAD_FAILURES.empty_table()
         write_artifacts(
             {out / f"{name}.parquet": (table, name) for name, table in artifacts.items()},
             extra={"world_truth": [rows(1)]} if params.source == "generated" else None,
@@ -140,8 +149,19 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    params, inputs, outputs = stage_args(SECTION, Params, argv, outputs=("out", "metrics"))
-    run(params, inputs, outputs)
+    with expected_errors():
+        params, inputs, outputs = stage_args(SECTION, Params, argv, outputs=("out", "metrics"))
+        if params.source == "folder" and not Path(params.folder).is_dir():  # before any work: fail fast
+            from mars.errors import InputError
+
+            why = "is not a directory" if Path(params.folder).exists() else "does not exist"
+            raise InputError(f"world.folder {params.folder!r} {why}; set world.folder to a directory of images")
+        if params.source == "urls" and not Path(params.urls_file).is_file():
+            from mars.errors import MissingInputError
+
+            raise MissingInputError(f"world.urls_file {params.urls_file!r}: not found; set it to a text file with "
+                                    "one image URL per line")
+        run(params, inputs, outputs)
     return 0
 
 

@@ -46,7 +46,7 @@ def test_failing_table_stops_with_report_and_keeps_previous_outputs(tmp_path):
         # the good table comes first: it must not be written either, since a sibling failed
         write_artifacts({other: (raw(5), "raw_images"), out: (bad, "raw_images")})
     msg = str(exc.value)
-    assert "ExpectColumnValuesToBeUnique(column='image_id'): 2 of 4 rows unexpected, e.g. ['b', 'b']" in msg
+    assert f"{out}: column 'image_id': ExpectColumnValuesToBeUnique(): 2 of 4 rows fail: image_id ['b', 'b']" in msg
     assert "ExpectColumnValuesToBeInSet" in msg and "'scraped'" in msg
     assert out.read_bytes() == before and other.read_bytes() == before_other
     report = json.loads(report_path(out).read_text())

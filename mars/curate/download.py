@@ -27,10 +27,16 @@ Rules, with their failure reasons:
   (``too_large``);
 - ``Content-Type`` must be ``image/*`` (``bad_content_type``, checked before the body is
   read) and the first bytes must be a JPEG, PNG, GIF, WEBP, BMP or TIFF signature
-  (``bad_magic``);
+  (``bad_magic``; an empty body is ``empty_body``);
 - the body streams to a temp file in ``raw_dir`` while being hashed, and is then renamed
   (``os.replace``, atomic) to ``<sha256><ext>`` where ``ext`` comes from the magic bytes;
   ``image_id = "u-" + sha256[:16]``. Content already present is not written again.
+
+:func:`failures_as_rejects` turns the failures into rows of the curate stage's ``rejects``
+table, so every URL ends in ``curated`` or ``rejects`` with a reason: ``bad_magic`` and
+``bad_content_type`` become ``not_an_image``, ``empty_body`` ``empty_file``, ``duplicate_content``
+``exact_duplicate``, every other failure ``download_failed`` (the detail starts with the download
+reason; the ``path`` column holds the URL).
 
 Example::
 
@@ -55,8 +61,9 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from mars.curate.probe import extension_for, sniff_format
+from mars.data.io import plain_file_mode
 from mars.data.schemas import DOWNLOAD_FAILURES as FAILURES
-from mars.data.schemas import RAW_IMAGES
+from mars.data.schemas import RAW_IMAGES, REJECTS
 from mars.retry import retry_after_s, retrying
 
 ALLOWED_SCHEMES = frozenset({"http", "https"})
@@ -182,6 +189,9 @@ class _Downloader:
                         head += chunk[: _MAGIC_BYTES - len(head)]
                     h.update(chunk)
                     f.write(chunk)
+                os.fchmod(f.fileno(), plain_file_mode())  # as a plain write, not mkstemp's 0600
+            if total == 0:
+                raise _Fail("empty_body", f"Content-Type {ctype!r} but the body is empty (0 bytes)")
             fmt = sniff_format(head)
             if fmt is None:
                 raise _Fail("bad_magic", f"Content-Type {ctype!r} but body starts with {head[:8]!r}")
@@ -278,3 +288,35 @@ def download_urls(
     fails = pa.Table.from_pylist(failures, schema=FAILURES)
     assert raw.num_rows + fails.num_rows == len(urls), "every URL must be accounted for once"
     return raw, fails
+
+
+# download failure reason -> curation's reject reason (others: download_failed)
+FAILURE_REASONS_AS_REJECTS = {
+    "bad_magic": "not_an_image",
+    "bad_content_type": "not_an_image",
+    "empty_body": "empty_file",
+    "duplicate_content": "exact_duplicate",
+}
+
+
+def failure_id(url: str, occurrence: int = 1) -> str:
+    """Image id of a URL that did not become a raw image: ``"u-url-"`` + sha256(url)[:12], and ``-<n>`` for the
+    n-th listing (n >= 2) of the same URL. Distinct from the ``"u-"`` + content-hash ids of stored images."""
+    base = "u-url-" + hashlib.sha256(url.encode("utf-8")).hexdigest()[:12]
+    return base if occurrence == 1 else f"{base}-{occurrence}"
+
+
+def failures_as_rejects(failures: pa.Table) -> pa.Table:
+    """Rows of the ``rejects`` artifact (:data:`~mars.data.schemas.REJECTS`) for download failures (module doc):
+    ``path`` is the URL, ``detail`` starts with the download reason. Sorted by image_id."""
+    seen: dict[str, int] = {}
+    rows = []
+    for f in failures.to_pylist():
+        seen[f["url"]] = seen.get(f["url"], 0) + 1
+        rows.append({
+            "image_id": failure_id(f["url"], seen[f["url"]]),
+            "path": f["url"],
+            "reason": FAILURE_REASONS_AS_REJECTS.get(f["reason"], "download_failed"),
+            "detail": f"{f['reason']}: {f['detail']}",
+        })
+    return pa.Table.from_pylist(sorted(rows, key=lambda r: r["image_id"]), schema=REJECTS)

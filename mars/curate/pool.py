@@ -35,7 +35,11 @@ Deviations from the brief:
 - ``curate_pool`` takes an extra keyword ``relative_to`` (default: the derivative
   directory) that the ``derivative`` column is relative to, so the stage can keep the
   derivatives in a sub-folder of its output directory;
-- one more reject reason: ``missing`` (file listed but absent);
+- more reject reasons: ``missing`` (file listed but absent), and for what a source hands over
+  unfiltered (every entry of a folder, every URL): ``empty_file``, ``not_a_file``,
+  ``symlink_outside_folder`` (a link out of the source's folder), ``unsupported_extension``,
+  ``unreadable`` (:mod:`mars.curate.probe`) and ``download_failed``
+  (:func:`mars.curate.download.failures_as_rejects`);
 - the sha256 stored is the one computed here; a disagreement with the raw table's
   ``sha256`` column is logged as a warning.
 

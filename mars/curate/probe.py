@@ -4,8 +4,14 @@
 pixels), either accepted (with sha256, oriented size, source mode, perceptual hash,
 quality score and an optional RGB derivative) or rejected with one reason code:
 
-``missing``            the file does not exist (not in the brief's list; a stale raw table)
-``not_an_image``       PIL cannot identify the file and it has no known image signature
+``missing``            the file does not exist (not in the brief's list; a stale raw table), or
+                       is a symlink whose target does not exist
+``not_a_file``         a directory or another non-regular file (FIFO, socket, device); never opened
+``empty_file``         0 bytes
+``not_an_image``       PIL cannot identify the file, it has no known image signature and its name
+                       has an image extension (:data:`IMAGE_EXTENSIONS`)
+``unsupported_extension``  the same, for a name without an image extension (``notes.txt``); a real
+                       image is judged by its content whatever its name
 ``decompression_bomb`` declared width*height above ``max_pixels``; detected from the header
                        only: ``Image.MAX_IMAGE_PIXELS`` is set to ``max_pixels`` around the
                        open, ``DecompressionBombWarning`` is turned into an error, both it and
@@ -18,6 +24,14 @@ quality score and an optional RGB derivative) or rejected with one reason code:
                        ``ImageFile.LOAD_TRUNCATED_IMAGES`` is asserted False at every probe.
 ``corrupt``            any other decode failure, or a known image signature PIL cannot parse
 ``low_quality``        quality score below ``quality_threshold``
+(a note's reason)      a reject note (:func:`write_reject_note`): a small text file a source leaves in
+                       the raw pool in place of an entry it did not copy, rejected with the note's
+                       reason and detail. The folder source leaves ``symlink_outside_folder`` (a link
+                       out of its folder, never followed), ``not_a_file`` (a FIFO, an empty directory
+                       with an image name), ``missing`` (a broken link) and ``unreadable`` (a file it
+                       could not read)
+
+A symlink in the raw pool is followed (a DVC cache may link the pool's files there).
 
 Order of work (the speed trick versus the naive "load everything at full size" baseline):
 1. ``Image.open`` reads the header only; size, mode and (for JPEG) EXIF orientation come
@@ -53,8 +67,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
+import stat
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -66,6 +82,7 @@ import numpy.typing as npt
 from PIL import Image, ImageFile, UnidentifiedImageError
 
 from mars.curate.hashing import phash, sha256_file
+from mars.data.io import plain_file_mode
 from mars.data.suites import REJECT_REASONS
 
 ANALYSIS_LONG_SIDE = 256
@@ -73,8 +90,19 @@ ANALYSIS_LONG_SIDE = 256
 
 ORIENTATION_TAG = 0x0112
 
-# Reasons a probe can give (the dedup pass adds exact_duplicate / near_duplicate).
-REASONS: tuple[str, ...] = tuple(r for r in REJECT_REASONS if not r.endswith("_duplicate"))
+# Reasons a probe can give (the dedup pass adds exact_duplicate / near_duplicate; download_failed comes from
+# the URL source's failures, mars.curate.download.failures_as_rejects).
+REASONS: tuple[str, ...] = tuple(
+    r for r in REJECT_REASONS if not r.endswith("_duplicate") and r != "download_failed"
+)
+
+IMAGE_EXTENSIONS: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"})
+"""Names that promise an image (any case): a non-image under such a name is ``not_an_image``, under another
+name ``unsupported_extension``."""
+
+REJECT_NOTE_MAGIC = b"MARS-REJECT-NOTE\n"
+"""First line of a reject note (:func:`write_reject_note`)."""
+_NOTE_MAX_BYTES = 64 * 1024
 
 # Formats recognised by sniff_format and the extension each is stored under.
 _MAGIC: tuple[tuple[str, str], ...] = (
@@ -193,6 +221,31 @@ def _declared_size(path: Path) -> tuple[int, int] | None:
             return im.size
     except Exception:
         return None
+
+
+def write_reject_note(path: Path, reason: str, detail: str) -> None:
+    """Leave a reject note at ``path``: it stands in the raw pool for an entry a source did not copy, and
+    curation rejects it with ``reason`` and ``detail`` (:func:`probe_file`). ``reason`` must be a reject reason
+    (:data:`mars.data.suites.REJECT_REASONS`)."""
+    if reason not in REJECT_REASONS:
+        raise ValueError(f"reject note for {path}: reason {reason!r} is not one of {REJECT_REASONS}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = json.dumps({"reason": reason, "detail": detail}, ensure_ascii=True, sort_keys=True).encode()
+    path.write_bytes(REJECT_NOTE_MAGIC + body[: _NOTE_MAX_BYTES - 100] + b"\n")
+
+
+def read_reject_note(path: Path) -> tuple[str, str] | None:
+    """``(reason, detail)`` of a reject note, or None when ``path`` is not one."""
+    with open(path, "rb") as f:
+        if f.read(len(REJECT_NOTE_MAGIC)) != REJECT_NOTE_MAGIC:
+            return None
+        data = f.read(_NOTE_MAX_BYTES)
+    try:
+        note = json.loads(data)
+        reason, detail = str(note["reason"]), str(note["detail"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return (reason, detail) if reason in REJECT_REASONS else None
 
 
 def _head(path: Path, n: int = 16) -> bytes:
@@ -326,6 +379,7 @@ def write_derivative(rgb: Image.Image, derivative_dir: Path, image_id: str, loss
                 rgb.save(f, format="JPEG", quality=92)
             else:
                 rgb.save(f, format="PNG", compress_level=1)
+            os.fchmod(f.fileno(), plain_file_mode())  # as a plain write, not mkstemp's 0600
         os.replace(tmp, derivative_dir / name)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -346,13 +400,38 @@ def probe_file(
 
     ``rel_path`` is what goes into the result's ``path`` (default: ``str(path)``).
     ``derivative_dir`` None means "do not write derivatives" (``derivative`` stays None).
+    A symlink is followed; a source that must not follow links out of its folder leaves a reject note instead
+    (:mod:`mars.world.folder`).
     """
     path = Path(path)
     shown = rel_path if rel_path is not None else str(path)
     try:
+        _check_entry(path, shown)
         return _probe(path, image_id, shown, derivative_dir, limits)
     except _Reject as r:
         return ProbeResult(image_id=image_id, path=shown, reason=r.reason, detail=r.detail)
+
+
+def _check_entry(path: Path, shown: str) -> None:
+    """Reject what is not a regular, non-empty file before anything opens it."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        raise _Reject("missing", f"file not found: {shown}") from None
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise _Reject("missing", f"broken symlink: {shown} -> {os.readlink(path)} does not exist") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise _Reject("not_a_file", f"{shown} is a directory, not an image file")
+    if not stat.S_ISREG(st.st_mode):
+        raise _Reject("not_a_file", f"{shown} is not a regular file (mode {stat.filemode(st.st_mode)}); not opened")
+    if st.st_size == 0:
+        raise _Reject("empty_file", f"{shown} is empty (0 bytes)")
+    note = read_reject_note(path)
+    if note is not None:
+        raise _Reject(*note)
 
 
 def _probe(
@@ -360,8 +439,6 @@ def _probe(
 ) -> ProbeResult:
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         raise RuntimeError("PIL.ImageFile.LOAD_TRUNCATED_IMAGES must stay False for curation")
-    if not path.is_file():
-        raise _Reject("missing", f"file not found: {shown}")
 
     with _pixel_limit(lim.max_pixels):
         try:
@@ -379,6 +456,12 @@ def _probe(
         except Exception as e:  # UnidentifiedImageError, SyntaxError, struct.error, OSError, ...
             head = _head(path)  # an unreadable file raises again here: that is not a bad image
             fmt = sniff_format(head)
+            if fmt is None and path.suffix.lower() not in IMAGE_EXTENSIONS:
+                raise _Reject(
+                    "unsupported_extension",
+                    f"{path.suffix or '(no extension)'} is not an image extension and PIL cannot identify the "
+                    f"content (starts with {head[:8]!r})",
+                ) from None
             if fmt is None:
                 raise _Reject(
                     "not_an_image", f"PIL cannot identify it; starts with {head[:8]!r}"

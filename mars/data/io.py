@@ -7,8 +7,12 @@ crash or a failed check never leaves a half-written or clobbered output. :func:`
 does the same for a whole output directory and first tidies what killed runs left beside it
 (:func:`sweep_stale_dirs`: their staging directories, and a backup of the previous output put
 back if a kill fell between the two renames).
-:func:`read_table` checks what it reads and fails with a :class:`SchemaError` that names
-the file, the column, the expected and the found type, and how to fix it.
+Atomic writes honour the umask like a plain ``open()`` / ``mkdir()``: files land with mode
+``0o666 & ~umask``, directories with ``0o777 & ~umask`` (:func:`current_umask`,
+:func:`plain_file_mode`), not the 0600 of the temp file they start as.
+:func:`read_table` checks what it reads and fails with an :class:`ArtifactReadError` (a
+:class:`SchemaError`, and an expected error that ends a stage with its message alone) that
+names the file, the column, the expected and the found type, the schema, and the stage to rerun.
 
 Stages use polars for frames: :func:`read_frame` / :func:`write_frame` wrap the same
 checks around ``polars.DataFrame``.
@@ -21,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +33,8 @@ from typing import IO, TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from mars.errors import StageError
 
 if TYPE_CHECKING:  # polars is imported lazily: not every caller needs it
     import polars as pl
@@ -39,11 +46,49 @@ class SchemaError(ValueError):
     """A table or parquet file does not match its artifact schema."""
 
 
+class ArtifactReadError(StageError, SchemaError):
+    """:func:`read_table`: a file on disk is missing, unreadable or does not match its schema (written by another
+    version of the code). An expected error: it ends a stage with its message alone, where a table our own code
+    builds wrong (a plain :class:`SchemaError` on write) is a bug and keeps its traceback."""
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where possible.
+
+    Linux reports it in ``/proc/self/status`` (``Umask:`` line, kernel 4.7+). Elsewhere it is read the only
+    portable way, ``os.umask`` twice, under a lock so two of our threads never interleave; for the instant it is
+    set, it is 0o077 (restrictive), so a file another thread creates meanwhile is never more open than intended.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    with _UMASK_LOCK:
+        old = os.umask(0o077)
+        os.umask(old)
+    return old
+
+
+def plain_file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file: ``0o666 & ~umask``."""
+    return 0o666 & ~current_umask()
+
+
+def plain_dir_mode() -> int:
+    """The mode a plain ``mkdir`` gives a new directory: ``0o777 & ~umask``."""
+    return 0o777 & ~current_umask()
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
     """Yield a temp path beside ``path``; on success fsync it and rename it onto ``path``.
 
-    On any exception the temp file is removed and ``path`` is left as it was.
+    The file lands with the mode a plain write gives a new file (:func:`plain_file_mode`), whatever the mode
+    of the file it replaces. On any exception the temp file is removed and ``path`` is left as it was.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,6 +98,7 @@ def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
     try:
         yield tmp_path
         with open(tmp_path, "rb") as fh:
+            os.fchmod(fh.fileno(), plain_file_mode())
             os.fsync(fh.fileno())
         os.replace(tmp_path, path)
         _fsync_dir(path.parent)
@@ -115,7 +161,8 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     atomic). An existing ``target`` is renamed to a backup, the new directory renamed into
     place, then the backup deleted; if the second rename fails the backup is put back. On any
     exception inside the block the staging directory is removed and ``target`` is untouched.
-    What killed runs left beside ``target`` is tidied first (:func:`sweep_stale_dirs`).
+    What killed runs left beside ``target`` is tidied first (:func:`sweep_stale_dirs`). The directory
+    gets the mode a plain ``mkdir`` gives (:func:`plain_dir_mode`).
     """
     target = Path(target)
     parent = target.parent
@@ -126,7 +173,7 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
         raise NotADirectoryError(f"{target}: exists and is not a directory; remove it or choose another path")
     token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = parent / f".{target.name}.tmp-{token}"
-    tmp.mkdir()
+    tmp.mkdir(mode=0o777)  # less the umask, as a plain mkdir
     try:
         yield tmp
         backup: Path | None = None
@@ -213,18 +260,87 @@ def write_table(table: pa.Table, path: str | Path, schema: pa.Schema) -> Path:
     return path
 
 
+# --- read_table's advice: which stage writes a file, and what differs from its schema -----------------------------
+
+STAGES = ("world", "curate", "index", "synthesize", "sft", "rl", "evaluate")  # dvc.yaml's stages, in order
+PRODUCERS = {  # the stage that writes each artifact of mars.data.schemas (dvc.yaml: data/<stage>/<artifact>.parquet)
+    "entities": "world", "corpus": "world", "gallery": "world", "raw_images": "world", "world_truth": "world",
+    "download_failures": "world", "curated": "curate", "rejects": "curate", "questions": "synthesize",
+    "trajectories": "sft", "results": "evaluate",
+}
+
+
+def artifact_of(schema: pa.Schema) -> tuple[str, str] | None:
+    """``(artifact, constant)`` of a schema of :mod:`mars.data.schemas`, e.g. ``("curated", "CURATED")``."""
+    from mars.data import schemas  # pyarrow only: no cycle
+
+    for name, known in schemas.ARTIFACTS.items():
+        if known is schema or known.equals(schema):
+            const = next((k for k, v in vars(schemas).items() if k.isupper() and v is known), name.upper())
+            return name, const
+    return None
+
+
+def producer_of(path: str | Path, artifact: str | None) -> str | None:
+    """The stage that writes ``path``: its directory's name when that is a stage (``data/<stage>/...``), else the
+    artifact's producer, else None."""
+    parent = Path(path).parent.name
+    if parent in STAGES:
+        return parent
+    return PRODUCERS.get(artifact or "")
+
+
+def rerun_hint(path: str | Path, artifact: str | None) -> str:
+    stage = producer_of(path, artifact)
+    if stage:
+        return f"rerun the {stage} stage: dvc repro {stage}"
+    return "regenerate the file with the stage or tool that writes it"
+
+
+def _schema_difference(found: pa.Schema, expected: pa.Schema, what: str) -> str | None:
+    """The first difference of a file's schema from ``expected`` (named ``what``), or None when they match."""
+    exp_names, act_names = expected.names, found.names
+    missing = [n for n in exp_names if n not in act_names]
+    if missing:
+        return (f"column '{missing[0]}' is missing ({what} has it, type {expected.field(missing[0]).type}; "
+                f"the file has columns {act_names})")
+    extra = [n for n in act_names if n not in exp_names]
+    if extra:
+        return f"unexpected column '{extra[0]}' ({what} has columns {exp_names})"
+    for field in expected:
+        got = found.field(field.name).type
+        if pa.types.is_null(got) and field.nullable:
+            continue  # an all-null column of a nullable field casts to its type
+        if not got.equals(field.type):
+            return f"column '{field.name}' has type {got}, expected {field.type} ({what})"
+    if act_names != exp_names:
+        return f"columns are in order {act_names}, expected {exp_names} ({what})"
+    return None
+
+
 def read_table(path: str | Path, schema: pa.Schema) -> pa.Table:
-    """Read a parquet file, failing with file/column/expected/found types on a mismatch."""
+    """Read a parquet file, failing with an :class:`ArtifactReadError` (a :class:`SchemaError`) that names the
+    file, the column, the expected and found types, the schema and the stage to rerun (a file written by another
+    version of the code)."""
     path = Path(path)
+    known = artifact_of(schema)
+    hint = rerun_hint(path, known[0] if known else None)
     if not path.is_file():
-        raise SchemaError(f"{path}: file not found; run the stage that writes it (dvc repro) or fix the path.")
+        raise ArtifactReadError(f"{path}: file not found; fix the path, or {hint}")
     try:
         found = pq.read_schema(path)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise SchemaError(f"{path}: not a readable parquet file ({exc}).") from None
-    check_schema(found, schema, str(path))
-    table = pq.read_table(path, schema=None)
-    return conform(table, schema, str(path))
+        raise ArtifactReadError(f"{path}: not a readable parquet file ({exc}); {hint}") from None
+    problem = _schema_difference(found, schema, f"schema {known[1]}" if known else "the expected schema")
+    if problem:
+        raise ArtifactReadError(f"{path}: {problem}: the file was written by another version of the code; {hint}")
+    try:
+        table = pq.read_table(path, schema=None)
+        return conform(table, schema, str(path))
+    except SchemaError as exc:  # nulls in a non-null column
+        raise ArtifactReadError(f"{str(exc).rstrip('.')}; {hint}") from None
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ArtifactReadError(f"{path}: not a readable parquet file ({exc}); {hint}") from None
 
 
 def read_frame(path: str | Path, schema: pa.Schema) -> "pl.DataFrame":

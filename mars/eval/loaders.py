@@ -85,6 +85,7 @@ from PIL import Image
 
 from mars.data.io import SchemaError, conform, read_table
 from mars.data.schemas import BENCH_QUESTIONS, QUESTIONS
+from mars.errors import StageError
 
 __all__ = ["BenchmarkError", "Problem", "load_benchmark", "FORMATS", "MAX_LISTED"]
 
@@ -119,8 +120,9 @@ class Problem:
         return f"{text}. Fix: {self.fix}" if self.fix else text
 
 
-class BenchmarkError(ValueError):
-    """A benchmark file (or spec) is malformed. ``problems`` holds every :class:`Problem` found."""
+class BenchmarkError(StageError, ValueError):
+    """A benchmark file (or spec) is malformed. ``problems`` holds every :class:`Problem` found. An expected error:
+    it ends a stage with its message alone."""
 
     def __init__(self, problems: list[Problem] | Problem, *, n_records: int | None = None):
         self.problems = [problems] if isinstance(problems, Problem) else list(problems)
@@ -422,7 +424,7 @@ def _load_synth(spec: dict, col: _Collector) -> tuple[list[dict], list[Any], int
     try:
         table = read_table(path, QUESTIONS)
     except SchemaError as exc:
-        raise _fail(path, "<schema>", str(exc), "regenerate the questions with the synthesize stage") from None
+        raise _fail(path, "<schema>", str(exc)) from None  # the message names the stage to rerun
     split = spec.get("split", "test")
     name = spec.get("name") or "synth"
     rows = []

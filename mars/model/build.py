@@ -50,6 +50,7 @@ from transformers import (
 )
 
 from mars.data.io import atomic_dir
+from mars.errors import MissingInputError
 from mars.model.processor import PATCH_SIZE, MarsQwen2_5_VLProcessor, load_processor
 
 __all__ = ["ARCHES", "PATCH_SIZE", "CompiledTextLayers", "PatchLinear", "build_model", "count_params", "cpp_compiler",
@@ -280,12 +281,12 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
     ``config.json``'s ``model_type`` (``qwen2_5_vl`` or ``qwen3_vl``)."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
+        raise MissingInputError(f"{path}: checkpoint directory does not exist")
     missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).is_file()]
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         missing.append("*.safetensors")
     if missing:
-        raise FileNotFoundError(f"{path}: not a complete checkpoint, missing {', '.join(missing)}")
+        raise MissingInputError(f"{path}: not a complete checkpoint, missing {', '.join(missing)}")
     model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
     cls = _model_class(model_type, str(path / "config.json"))
     processor = load_processor(path)

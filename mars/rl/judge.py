@@ -35,6 +35,7 @@ from typing import Iterable, Mapping
 
 import httpx
 
+from mars.errors import StageError
 from mars.llm_client import ChatClient, LLMError
 
 __all__ = [
@@ -62,7 +63,7 @@ class JudgeResult:
     judge: str = "rule"
 
 
-class JudgeUnavailable(RuntimeError):
+class JudgeUnavailable(StageError, RuntimeError):
     """The LLM judge could not be reached (or kept failing) after all retries, refused the request, or answered
     with no chat completion."""
 

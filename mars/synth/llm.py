@@ -50,6 +50,7 @@ from PIL import Image, ImageOps
 from tqdm import tqdm
 
 from mars.agent.backends import to_openai_messages
+from mars.errors import EndpointDown
 from mars.llm_client import ChatClient, LLMError
 from mars.rl.judge import normalize_answer
 
@@ -327,7 +328,7 @@ class LLMSynthesizer:
                     for fut in pending:
                         fut.cancel()
                     example = next(r["detail"] for r in results.values() if r["reason"] == "endpoint_error")
-                    raise RuntimeError(
+                    raise EndpointDown(
                         f"synthesis endpoint {self.url} (model {self.model}) failed {failed} of {n_requests} "
                         f"requests, more than the allowed {self.max_failure_rate:.0%}"
                         f"{' (stopped early)' if pending else ''}; e.g. {example}"

@@ -54,6 +54,7 @@ from typing import Any, Literal
 from PIL import Image
 
 from mars.data.io import atomic_write_bytes
+from mars.errors import StageError
 from mars.tools.base import Observation
 
 __all__ = ["CACHE_MODES", "CacheLoadError", "CacheMode", "ToolCache", "canonical_json", "image_digest"]
@@ -67,7 +68,7 @@ IMAGES = "images"
 KEY_VERSION = 1
 
 
-class CacheLoadError(ValueError):
+class CacheLoadError(StageError, ValueError):
     """The cache directory holds a corrupt entries file."""
 
 

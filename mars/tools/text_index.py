@@ -58,6 +58,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mars.data.io import atomic_dir
+from mars.errors import StageError
 
 __all__ = [
     "STOPWORDS",
@@ -98,7 +99,7 @@ STOPWORDS: frozenset[str] = frozenset(
 _TOKEN_RE = re.compile(r"[a-z0-9]+")
 
 
-class IndexLoadError(ValueError):
+class IndexLoadError(StageError, ValueError):
     """An index directory is missing, incomplete, corrupt or built for something else."""
 
 

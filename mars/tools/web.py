@@ -71,6 +71,7 @@ from typing import Any
 
 import httpx
 
+from mars.errors import StageError
 from mars.llm_client import ChatClient, LLMError
 from mars.retry import describe, retryable_status, retrying
 from mars.tools.text_index import TextHit
@@ -82,7 +83,7 @@ log = logging.getLogger(__name__)
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 
 
-class WebSearchError(RuntimeError):
+class WebSearchError(StageError, RuntimeError):
     """A web backend call failed (HTTP error, network error after retries, unreadable answer)."""
 
 

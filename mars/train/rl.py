@@ -60,6 +60,7 @@ import torch
 from tqdm import tqdm
 
 from mars.agent.engine import EngineConfig, Trajectory, run_episodes
+from mars.errors import StageError
 from mars.model.chat import Rendered, render, vision_token_ids
 from mars.rl.advantages import batch_scale, compute_advantages, group_advantages
 from mars.rl.losses import entropy_from_logits, kl_penalty, loss_normalizer, masked_mean, policy_loss
@@ -77,7 +78,7 @@ RECIPES: dict[str, tuple[str, str]] = {"bn_gspo": ("bn", "sequence"), "gspo": ("
 TOOLS = ("image_zoom_in", "image_search", "text_search")
 
 
-class RLCollapse(RuntimeError):
+class RLCollapse(StageError, RuntimeError):
     """The run stopped on NaN or a collapse monitor."""
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageChops, ImageDraw
 
+from mars.errors import InputError, MissingInputError
 from mars.world.emblems import SHAPES, EmblemSpec, muted_colour, random_emblem, render_emblem, shape_polygon
 
 CUE_COLOUR = (255, 0, 0)
@@ -87,11 +88,11 @@ def read_scene(world_dir: str | Path) -> SceneConfig:
 
     path = Path(world_dir) / SCENE_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found; the world stage writes it: rerun it (dvc repro world)")
+        raise MissingInputError(f"{path}: not found; the world stage writes it: rerun it (dvc repro world)")
     values = json.loads(path.read_text())
     known = {f.name for f in fields(SceneConfig)}
     if set(values) != known:
-        raise ValueError(f"{path}: its keys {sorted(set(values) ^ known)} do not match this code's scene knobs; "
+        raise InputError(f"{path}: its keys {sorted(set(values) ^ known)} do not match this code's scene knobs; "
                          "rerun the world stage (dvc repro -f world)")
     values["schemes"] = tuple(tuple(s) for s in values["schemes"])
     return SceneConfig(**values)

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pyarrow as pa
 import pytest
 from PIL import Image
 
-from mars.curate.download import FAILURES, download_urls
-from mars.data.schemas import RAW_IMAGES
+from mars.curate.download import FAILURES, download_urls, failure_id, failures_as_rejects
+from mars.data.schemas import RAW_IMAGES, REJECTS
 
 TIMEOUT_S = 1.0  # a good image on 127.0.0.1 took over 0.3 s once on a loaded 2-core machine (a flaky failure)
 MAX_BYTES = 200_000
@@ -97,6 +98,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.write(chunk)
             elif self.path == "/declared-huge.png":
                 self._send(200, GOOD_PNG, "image/png", length=10 * MAX_BYTES)
+            elif self.path == "/empty.png":
+                self._send(200, b"", "image/png")
             elif self.path == "/fake.png":
                 self._send(200, b"<html><body>not an image</body></html>", "image/png")
             elif self.path == "/page.html":
@@ -144,6 +147,7 @@ def test_download_urls_end_to_end(server: tuple[str, Counter[str]], tmp_path: Pa
         base + "/stream-huge.png",
         base + "/declared-huge.png",
         base + "/fake.png",
+        base + "/empty.png",
         base + "/page.html",
         base + "/redirect-ftp",
         base + "/redirect-file",
@@ -193,6 +197,7 @@ def test_download_urls_end_to_end(server: tuple[str, Counter[str]], tmp_path: Pa
         "/stream-huge.png": "too_large",
         "/declared-huge.png": "too_large",
         "/fake.png": "bad_magic",
+        "/empty.png": "empty_body",
         "/page.html": "bad_content_type",
         "/redirect-ftp": "bad_redirect",
         "/redirect-file": "bad_redirect",
@@ -244,3 +249,47 @@ def test_argument_checks(tmp_path: Path) -> None:
         download_urls([], tmp_path, concurrency=0)
     raw, failures = download_urls([], tmp_path, progress=False)
     assert raw.num_rows == 0 and failures.num_rows == 0
+
+
+def test_downloaded_files_get_the_mode_of_a_plain_write(server: tuple[str, Counter[str]], tmp_path: Path) -> None:
+    import os
+    import stat
+
+    base, _ = server
+    old = os.umask(0o027)
+    try:
+        raw, _ = download_urls([base + "/good.png"], tmp_path, timeout_s=TIMEOUT_S, progress=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / raw.column("path")[0].as_py()).stat().st_mode) == 0o640
+
+
+def test_failures_become_rejects_with_curations_reasons() -> None:
+    """Every failed URL becomes a reject row (path: the URL; detail: the download reason first); a URL listed
+    twice gets a second id."""
+    failures = pa.Table.from_pylist([
+        {"url": "http://a/x.png", "reason": "bad_magic", "detail": "body starts with b'<html>'"},
+        {"url": "http://a/y.png", "reason": "bad_content_type", "detail": "Content-Type 'text/html'"},
+        {"url": "http://a/e.png", "reason": "empty_body", "detail": "0 bytes"},
+        {"url": "http://a/c.png", "reason": "duplicate_content", "detail": "same bytes as http://a/g.png"},
+        {"url": "http://a/m.png", "reason": "http_status", "detail": "404 Not Found"},
+        {"url": "http://a/m.png", "reason": "timeout", "detail": "ReadTimeout"},
+        {"url": "ftp://a/z.png", "reason": "bad_scheme", "detail": "scheme 'ftp' not allowed"},
+    ], schema=FAILURES)
+    rejects = failures_as_rejects(failures)
+    assert rejects.schema.equals(REJECTS)
+    rows = {r["image_id"]: r for r in rejects.to_pylist()}
+    assert list(rows) == sorted(rows) and len(rows) == 7
+    by_url = {(r["path"], r["detail"].split(":")[0]): r["reason"] for r in rows.values()}
+    assert by_url == {
+        ("http://a/x.png", "bad_magic"): "not_an_image",
+        ("http://a/y.png", "bad_content_type"): "not_an_image",
+        ("http://a/e.png", "empty_body"): "empty_file",
+        ("http://a/c.png", "duplicate_content"): "exact_duplicate",
+        ("http://a/m.png", "http_status"): "download_failed",
+        ("http://a/m.png", "timeout"): "download_failed",
+        ("ftp://a/z.png", "bad_scheme"): "download_failed",
+    }
+    assert rows[failure_id("http://a/m.png")]["detail"] == "http_status: 404 Not Found"
+    assert rows[failure_id("http://a/m.png", 2)]["detail"] == "timeout: ReadTimeout"
+    assert failure_id("http://a/m.png").startswith("u-url-") and failure_id("http://a/m.png", 2).endswith("-2")

@@ -221,8 +221,11 @@ def test_sft_loss_trajectories_and_masks(trained):
     assert m["steps"] == b.fp.max_steps and m["resumed_from"] == 0
     assert m["loss_final"] < 0.1 * m["loss_first"], m
     assert m["loss_final"] < LOSS_FINAL_MAX, m
-    # phase 1 ran all its steps and its last weights were scored on the held-out drills
-    assert m["pretrain_steps_run"] == b.fp.pretrain_steps and 0.0 <= m["pretrain_check_copied"] <= 1.0
+    # phase 1 ran all its steps and its last weights were scored on the held-out drills: the share is a count of the
+    # pretrain_check_drills drills (to its 4 decimals), not any number in [0, 1]
+    copied = m["pretrain_check_copied"] * b.fp.pretrain_check_drills
+    assert m["pretrain_steps_run"] == b.fp.pretrain_steps and abs(copied - round(copied)) < 0.01, m
+    assert 0 <= round(copied) <= b.fp.pretrain_check_drills
     traj = pq.read_table(b.tmp / "sft/trajectories.parquet").to_pylist()
     assert len(traj) == m["trajectories"] == m["examples"] and 0 < len(traj) <= b.fp.n_trajectories
     assert all(t["correct"] and t["finish_reason"] == "answer" and t["reward_format"] > 0 for t in traj)
@@ -479,11 +482,11 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     assert m["locate_steps_run"] == straight_m["locate_steps_run"] == 8
     # the share reported is the block's last weights' (step 8, checked once more after its last step), also when
     # the rerun restored the block from its final checkpoint instead of training it
-    assert 0.0 <= straight_m["locate_check_framed"] <= 1.0
+    assert straight_m["locate_check_framed"] * fp.locate_check_scenes in range(fp.locate_check_scenes + 1)
     assert m["locate_check_framed"] == straight_m["locate_check_framed"]
     # with locate_read_target the read of 8 held-out answered drills is reported beside it (scored at step 8 even
     # though the frame did not hold: the metric is both links of the last weights)
-    assert 0.0 <= straight_m["locate_check_read"] <= 1.0
+    assert straight_m["locate_check_read"] * fp.locate_check_scenes in range(fp.locate_check_scenes + 1)
     assert m["locate_check_read"] == straight_m["locate_check_read"]
     # the block's frame stage before it: 8 drills and the first 2 captions, its check (the frame alone) at step 4
     assert m["locate_frame_examples"] == straight_m["locate_frame_examples"] == 10
@@ -498,7 +501,7 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     # phase 1's copy check was asked at step 4 (an 8-step model copies fewer than 99% of the 4 held-out drills), so
     # it ran all 8 steps; the share reported is its last weights', the same after the rerun restored them
     assert m["pretrain_steps_run"] == straight_m["pretrain_steps_run"] == 8
-    assert 0.0 <= straight_m["pretrain_check_copied"] <= 1.0
+    assert straight_m["pretrain_check_copied"] * fp.pretrain_check_drills in range(fp.pretrain_check_drills + 1)
     assert m["pretrain_check_copied"] == straight_m["pretrain_check_copied"]
     # phase 0 (vision pre-training) too, before them all
     assert m["vision_pretrain_loss_final"] == pytest.approx(straight_m["vision_pretrain_loss_final"], abs=1e-6)
@@ -545,7 +548,12 @@ def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
         return m, last["history"]
 
     first, first_h = run("first")
-    assert first["beside_drawing_s"] > 0 and first["drills_wait_s"] >= 0
+    # the teacher, then phase 0 beside the drawing, then the wait for the drawing: three spans one after another in
+    # the run, which began when its params file was written and had its last step saved after them
+    run_s = ((out["checkpoints"] / "step-000008" / "state.pt").stat().st_mtime
+             - (tmp_path / "params-first.yaml").stat().st_mtime)
+    assert first["beside_drawing_s"] > 0 and first["teacher_s"] > 0 and first["drills_wait_s"] >= 0
+    assert first["teacher_s"] + first["beside_drawing_s"] + first["drills_wait_s"] <= run_s + 0.2, (first, run_s)
     base, _, _ = load_checkpoint(out["out"] / "base")
     fresh = build_model(base.config, seed=load_params("sft", sft.Params, b.params).seed).state_dict()
     assert base.state_dict().keys() == fresh.keys()
@@ -687,7 +695,15 @@ def test_evaluate_smoke(trained, tmp_path):
     assert oracle["letter_on_choice"] == 1.0 and oracle["letter_on_open"] == 0.0
     assert test["base/agentic"]["by_form"] == {"choice": 0.0, "open": 0.0}
     assert json.loads((tmp_path / "m.json").read_text()) == json.loads(json.dumps(metrics))
-    assert (tmp_path / "out/report.html").stat().st_size > 1000
+    # the report shows every sample (up to its cap) as a card with its run and verdict as stored
+    cards = re.findall(r'<details class="card" [^>]*data-model="([^"]*)" data-workflow="([^"]*)" '
+                       r'data-correct="([^"]*)" data-qid="[^"]*" data-sample-id="([^"]*)"',
+                       (tmp_path / "out/report.html").read_text(encoding="utf-8"))
+    assert len(cards) == min(len(res), ep.report_max_trajectories) > 0
+    by_id = {r["sample_id"]: r for r in res}
+    assert all((by_id[sid]["model"], by_id[sid]["workflow"], "correct" if by_id[sid]["correct"] else "wrong")
+               == (model, workflow, verdict) for model, workflow, verdict, sid in cards)
+    assert {f"{model}/{workflow}" for model, workflow, _, _ in cards} == set(ep.runs)
     for name in ("accuracy", "tool_calls"):
         lines = (tmp_path / f"out/plots/{name}.csv").read_text().splitlines()
         assert len(lines) > 4 and "model" in lines[0]

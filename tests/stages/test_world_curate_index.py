@@ -241,6 +241,15 @@ def test_dvc_repro_smoke_then_noop(clean_copy):
     evaluated = metrics["data/metrics/evaluate.json"]["data"]["test"]
     assert evaluated["oracle/agentic"]["accuracy"] >= 0.95
     assert evaluated["oracle/agentic"]["first_zoom_framed"] == 1.0  # localisation: the oracle's zoom is the frame
+    # the rl stage ran its two steps from scratch, kept rl.samples_per_step rollouts a step, and its model was
+    # evaluated on every test question, as the sft model was
+    rl_m = metrics["data/metrics/rl.json"]["data"]
+    assert (rl_m["steps"], rl_m["resumed_from"], rl_m["algorithm"]) == (2, 0, params["rl"]["algorithm"])
+    assert [h["step"] for h in json.loads((clean_copy / "data/rl/monitors.json").read_text())] == [0, 1]
+    kept = pq.read_table(clean_copy / "data/rl/rollouts.parquet").column("episode_id").to_pylist()
+    assert sorted(e.rsplit("@", 1)[1] for e in kept) == sorted(["0", "1"] * params["rl"]["samples_per_step"])
+    assert evaluated["rl/agentic"]["n"] == evaluated["sft/agentic"]["n"] == evaluated["oracle/agentic"]["n"] > 0
+    assert 'data-model="rl"' in (clean_copy / "data/evaluate/report.html").read_text(encoding="utf-8")
     # dvc.yaml's top-level metrics: the RL study's summary (written outside dvc repro) is listed once it exists
     assert "error" in metrics["data/experiments/summary.json"]
     runs = {"bn_gspo-s0": {"algorithm": "bn_gspo", "accuracy": 0.3, "by_type": {}, "reward_first": 0.1,

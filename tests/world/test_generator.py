@@ -435,7 +435,8 @@ def _png_bytes(colour: tuple[int, int, int]) -> bytes:
     return buf.getvalue()
 
 
-def test_ingest_folder_copies_images_with_stable_ids(tmp_path: Path) -> None:
+def test_ingest_folder_copies_every_file_with_stable_ids(tmp_path: Path) -> None:
+    """Every file is copied, whatever its name or content: judging it is curation's job."""
     src = tmp_path / "photos"
     (src / "sub" / "deeper").mkdir(parents=True)
     files = {"b.PNG": (255, 0, 0), "a.jpg": (0, 255, 0), "sub/c.TIFF": (0, 0, 255), "sub/deeper/d.webp": (9, 9, 9)}
@@ -443,29 +444,77 @@ def test_ingest_folder_copies_images_with_stable_ids(tmp_path: Path) -> None:
         (src / rel).write_bytes(_png_bytes(colour))  # contents need not match the extension
     (src / "notes.txt").write_text("not an image")
     (src / "sub" / "e.gif").write_bytes(b"GIF89a")
+    (src / "empty.jpg").write_bytes(b"")
+    (src / ".hidden").write_bytes(b"x")
     table = ingest_folder(src, tmp_path / "raw")
     assert table.schema.equals(RAW_IMAGES)
     rows = _rows(table)
-    assert [r["path"] for r in rows] == sorted(files)
+    assert [r["path"] for r in rows] == sorted([*files, "notes.txt", "sub/e.gif", "empty.jpg", ".hidden"])
     for r in rows:
         data = (tmp_path / "raw" / r["path"]).read_bytes()
         assert data == (src / r["path"]).read_bytes()
         assert r["bytes"] == len(data) and r["sha256"] == hashlib.sha256(data).hexdigest()
         assert r["image_id"] == image_id_for(r["path"]) and r["image_id"].startswith("f-") and len(r["image_id"]) == 14
         assert r["source"] == "folder" and r["scene_id"] is None and r["planted_case"] is None
+    assert {r["path"]: r["bytes"] for r in rows}["empty.jpg"] == 0
     again = ingest_folder(src, tmp_path / "raw2")
     assert again.equals(table)
 
 
+def test_ingest_folder_leaves_notes_for_what_it_does_not_copy(tmp_path: Path) -> None:
+    """Links out of the folder, broken links, links to directories, FIFOs and empty directories named like images
+    are rows too: the pool gets a reject note in their place (nothing outside the folder is read); a directory
+    named like an image that holds files stays a directory; a link to a file inside the folder is copied."""
+    import os
+
+    from mars.curate.probe import read_reject_note
+
+    src, outside = tmp_path / "photos", tmp_path / "outside"
+    (src / "album.jpg").mkdir(parents=True)
+    (src / "plain_dir").mkdir()
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(_png_bytes((1, 2, 3)))
+    (src / "a.png").write_bytes(_png_bytes((4, 5, 6)))
+    (src / "album.jpg" / "in.png").write_bytes(_png_bytes((7, 8, 9)))
+    (src / "out.png").symlink_to(outside / "secret.png")
+    (src / "up.png").symlink_to("../outside/secret.png")
+    (src / "in.png").symlink_to("a.png")
+    (src / "broken.png").symlink_to("gone.png")
+    (src / "dirlink.jpg").symlink_to("plain_dir")
+    (src / "empty.jpg").mkdir()
+    os.mkfifo(src / "pipe.png")
+    raw = tmp_path / "raw"
+    rows = {r["path"]: r for r in _rows(ingest_folder(src, raw))}
+    assert sorted(rows) == ["a.png", "album.jpg", "album.jpg/in.png", "broken.png", "dirlink.jpg", "empty.jpg",
+                            "in.png", "out.png", "pipe.png", "up.png"]
+    notes = {rel: read_reject_note(raw / rel) for rel in rows if (raw / rel).is_file()}
+    assert {rel: n[0] for rel, n in notes.items() if n} == {
+        "out.png": "symlink_outside_folder", "up.png": "symlink_outside_folder", "broken.png": "missing",
+        "dirlink.jpg": "not_a_file", "empty.jpg": "not_a_file", "pipe.png": "not_a_file"}
+    assert str(outside / "secret.png") in notes["out.png"][1] and "../outside/secret.png" in notes["up.png"][1]
+    assert (raw / "in.png").read_bytes() == (src / "a.png").read_bytes()
+    assert (raw / "album.jpg").is_dir() and rows["album.jpg"]["bytes"] == 0
+    assert all(not p.is_symlink() for p in raw.rglob("*"))
+    for rel, r in rows.items():
+        if (raw / rel).is_file():
+            assert r["sha256"] == hashlib.sha256((raw / rel).read_bytes()).hexdigest()
+
+
 def test_ingest_folder_errors_name_the_folder(tmp_path: Path) -> None:
+    from mars.errors import InputError
+
     missing = tmp_path / "nowhere"
-    with pytest.raises(ValueError, match="nowhere.*does not exist"):
+    with pytest.raises(InputError, match="nowhere.*does not exist"):
         ingest_folder(missing, tmp_path / "raw")
+    (tmp_path / "file.jpg").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"file.jpg' is not a directory"):
+        ingest_folder(tmp_path / "file.jpg", tmp_path / "raw")
     empty = tmp_path / "empty"
-    empty.mkdir()
-    (empty / "readme.txt").write_text("no images here")
-    with pytest.raises(ValueError, match=r"empty.*no images.*jpg"):
+    (empty / "sub" / "deeper").mkdir(parents=True)  # folders, no file
+    with pytest.raises(ValueError, match=r"empty' is empty: no files in it or its sub-folders"):
         ingest_folder(empty, tmp_path / "raw")
+    (empty / "sub" / "readme.txt").write_text("no images here")  # one file: a pool of one (curation rejects it)
+    assert [r["path"] for r in _rows(ingest_folder(empty, tmp_path / "raw"))] == ["sub/readme.txt"]
 
 
 def test_world_without_scenes_still_has_entities_corpus_and_gallery(tmp_path: Path) -> None:

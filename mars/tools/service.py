@@ -4,8 +4,17 @@ Many rollout workers can share one search service: ``mars serve-tools`` (127.0.0
 default) serves ``POST /v1/tools/{name}`` with ``{"arguments": {...}, "images": {<index>: <base64
 PNG>}, "n_images": n}`` (of the dialogue's images as shown to the policy, only the one the
 call references travels; a list of all of them is accepted too) and answers ``{"text",
-"error", "images", "latency_s"}``; ``GET /health`` says it is up. A malformed call is
-answered with an error observation, never an HTTP error, as the in-process ToolBox does.
+"error", "images", "latency_s"}``; ``GET /health`` says it is up. A bad tool call (an unknown
+tool, wrong or missing arguments, a box out of range: whatever the policy wrote) is answered with
+an error observation and HTTP 200, as the in-process ToolBox does. A malformed REQUEST is the
+client's bug and is refused with a 4xx and ``{"error": {"message", "type": "invalid_request_error",
+"code"}}`` (:mod:`mars.serve.guard`), before any image is decoded: a body over ``max_body_bytes``
+(413, read and dropped); bad JSON, an unknown field or one of the wrong type (strict: ``n_images`` an
+integer, ``images`` a list of strings or an ``{index: string}`` object); ``n_images`` above ``max_images``;
+an image index outside ``0..n_images-1``; an image that is not base64, exceeds ``max_image_bytes``,
+is not PNG/JPEG/GIF/WEBP/BMP, or DECLARES more than ``max_image_pixels`` (``max_request_pixels`` for
+all images of the request: a decompression bomb is never decoded); arguments whose ``img_idx``
+names an image that was not sent. An unexpected failure is a 500 with ``"type": "server_error"``.
 
 :class:`RemoteToolBox` has the ToolBox's ``call(name, arguments, images)`` interface with
 timeouts, bounded concurrency (a semaphore) and retries: network errors, timeouts, HTTP 5xx
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import json
 import logging
 import threading
 import time
@@ -34,15 +44,25 @@ from typing import Any
 
 import httpx
 from PIL import Image
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
+from mars.errors import StageError
 from mars.retry import describe, retrying
+from mars.serve.guard import (
+    RequestError,
+    b64_bytes,
+    install_error_handlers,
+    load_rgb,
+    open_image,
+    parse_json,
+    post_body,
+)
 from mars.tools.base import Observation
 
 log = logging.getLogger(__name__)
 
 
-class ToolServiceDown(RuntimeError):
+class ToolServiceDown(StageError, RuntimeError):
     """The tool service failed too often; the run must stop."""
 
 
@@ -68,41 +88,65 @@ def observation_json(obs: Observation) -> dict[str, Any]:
 
 
 class CallRequest(BaseModel):
-    """Body of ``POST /v1/tools/{name}``."""
+    """Body of ``POST /v1/tools/{name}`` (validated in strict JSON mode; an unknown field is an error)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     arguments: Any = None
     # every dialogue image as a list, or only the referenced ones as {index: image} with n_images
     images: list[str] | dict[int, str] = []
-    n_images: int | None = None
+    n_images: int | None = Field(None, ge=0)
 
 
-def create_app(toolbox, max_images: int = 64, max_image_bytes: int = 8_000_000):
-    """The FastAPI app serving ``toolbox``."""
+def _image_index(arguments: Any) -> int | None:
+    """The ``img_idx`` a call's arguments (an object, or a JSON string holding one) name, if an integer."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    idx = arguments.get("img_idx") if isinstance(arguments, dict) else None
+    return idx if type(idx) is int else None
+
+
+def create_app(toolbox, max_images: int = 64, max_image_bytes: int = 8_000_000, max_image_pixels: int = 4096 * 4096,
+               max_request_pixels: int = 4 * 4096 * 4096, max_body_bytes: int = 32 * 2**20):
+    """The FastAPI app serving ``toolbox`` (the refusals and limits: see the module docstring)."""
     from fastapi import FastAPI
 
-    app = FastAPI(title="MARS tool service")
+    app = FastAPI(title="MARS tool service", redirect_slashes=False)
+    install_error_handlers(app)
 
     @app.get("/health")
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/v1/tools/{name}")
-    def call(name: str, req: CallRequest) -> dict[str, Any]:
+    def call(body: bytes, name: str) -> dict[str, Any]:
+        req = parse_json(CallRequest, body)
         sent = dict(enumerate(req.images)) if isinstance(req.images, list) else dict(req.images)
         n = req.n_images if req.n_images is not None else len(sent)
-        if n > max_images or len(sent) > n or any(not 0 <= i < n for i in sent):
-            msg = f"bad image list: {len(sent)} image(s) sent for n_images={n} (at most {max_images})"
-            return observation_json(Observation(text=msg, error=msg))
+        if n > max_images:
+            raise RequestError(f"n_images={n}: at most {max_images} images per call")
+        outside = sorted(i for i in sent if not 0 <= i < n)
+        if outside:
+            raise RequestError(f"image index {outside[0]} is outside 0..{n - 1} (n_images={n})")
+        opened, pixels = {}, 0
+        for i in sorted(sent):  # every image checked (size, format, declared pixels) before any is decoded
+            im = open_image(b64_bytes(sent[i], max_image_bytes, f"image {i}"), max_image_pixels, f"image {i}")
+            pixels += im.size[0] * im.size[1]
+            if pixels > max_request_pixels:
+                raise RequestError(f"the images of this call declare more than {max_request_pixels} pixels in all "
+                                   "(not decoded)")
+            opened[i] = im
+        idx = _image_index(req.arguments)
+        if idx is not None and 0 <= idx < n and idx not in opened:
+            raise RequestError(f"the arguments name img_idx={idx} but image {idx} was not sent")
         images: list = [None] * n  # the tools read only the image their arguments reference
-        for i, data in sent.items():
-            try:
-                if len(data) > max_image_bytes * 4 // 3 + 4:
-                    raise ValueError(f"larger than {max_image_bytes} bytes")
-                images[i] = decode_image(data)
-            except Exception as exc:  # a bad upload is the caller's error, answered as data
-                msg = f"image {i} is not a base64 PNG/JPEG: {exc}"
-                return observation_json(Observation(text=msg, error=msg))
+        for i, im in opened.items():
+            images[i] = load_rgb(im, f"image {i}")
         return observation_json(toolbox.call(name, req.arguments, images))
+
+    post_body(app, "/v1/tools/{name}", call, max_body_bytes)
 
     return app
 

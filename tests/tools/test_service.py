@@ -129,6 +129,52 @@ def test_survives_a_client_that_disconnects_mid_request(served):
     assert obs.error is None
 
 
+def png_b64(img: Image.Image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"arguments": {"img_idx": 0}, "images": {"0": "@@"}, "n_images": 1}, "image 0 is not valid base64"),
+        ({"arguments": {"img_idx": 0}, "images": {"0": png_b64(Image.new("RGB", (8, 8)))}, "n_images": 10**12},
+         "at most 64 images"),
+        ({"arguments": {"img_idx": 0}, "images": {"3": png_b64(Image.new("RGB", (8, 8)))}, "n_images": 2},
+         "image index 3 is outside 0..1"),
+        ({"arguments": {"img_idx": 1}, "images": {"0": png_b64(Image.new("RGB", (8, 8)))}, "n_images": 2},
+         "image 1 was not sent"),
+        ({"arguments": {"img_idx": 0}, "image": []}, "image: Extra inputs are not permitted"),
+        ({"arguments": {"img_idx": 0}, "images": [1]}, "images"),
+    ],
+)
+def test_malformed_requests_are_refused_with_400(served, body, needle):
+    url, _ = served
+    r = httpx.post(f"{url}/v1/tools/image_search", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and needle in r.json()["error"]["message"]
+
+
+def test_a_decompression_bomb_is_refused_before_decoding(served):
+    from tests.test_hostile_input import b64, png_bomb
+
+    url, _ = served
+    body = {"arguments": {"img_idx": 0}, "images": [b64(png_bomb(8000, 8000, rows=8000))]}  # 64 Mpx in 8 KB
+    r = httpx.post(f"{url}/v1/tools/image_search", json=body, timeout=30)
+    assert r.status_code == 400 and "declares 8000x8000 = 64000000 pixels" in r.json()["error"]["message"]
+
+
+def test_bad_tool_calls_are_observations_not_http_errors(served):
+    url, toolbox = served
+    for name, args in [("no_such_tool", {}), ("text_search", {"query": 5}), ("image_search", {"img_idx": 7})]:
+        r = httpx.post(f"{url}/v1/tools/{name}", json={"arguments": args, "images": {}, "n_images": 1}, timeout=30)
+        assert r.status_code == 200 and r.json()["error"] == toolbox.call(name, args, [scene()]).error
+
+
 def test_server_killed_mid_run_counts_failures_then_stops_the_run(world, tmp_path):
     root, tables = world
     proc, url = start_tool_server(root)

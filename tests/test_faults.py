@@ -5,12 +5,12 @@ real subprocesses, real DVC and Prefect.
 |---|---|---|
 | LLM judge endpoint: 500s, timeouts, malformed JSON, a 50 MB body | each request gives up after ``retries`` + 1 attempts (500, timeout) or at once (not JSON, body over ``max_response_bytes``); the evaluation stops with ``JudgeUnavailable`` naming the fault (its budget: no unavailable verdict); the chunk being judged is not stored, finished chunks are kept and a rerun scores only the rest | ``test_judge_endpoint_fault_*`` |
 | synthesis endpoint: the same faults | every failed request is an ``endpoint_error`` reject, counted; past ``max_failure_rate`` the run stops early with an error naming the endpoint and the count; nothing is returned to write | ``test_synthesis_endpoint_fault_*`` |
-| rollout endpoint (``OpenAIBackend``): the same faults | every failed request ends its episode as ``backend_error``, counted in ``backend.errors`` and ``llm.failures``; bounded time. No failure budget: an evaluation stores those episodes as wrong answers (xfail, fix proposed) | ``test_policy_endpoint_fault_*``, ``test_dead_policy_endpoint_stops_the_evaluation`` |
+| rollout endpoint (``OpenAIBackend``): the same faults | every failed request ends its episode as ``backend_error``, counted in ``backend.errors`` and ``llm.failures``; bounded time. an evaluation stores no chunk with such an episode and stops, naming the endpoint (``EndpointDown``); the chunks before it are kept for the rerun | ``test_policy_endpoint_fault_*``, ``test_dead_policy_endpoint_stops_the_evaluation`` |
 | an endpoint answering 50 MB, or a body that never ends | refused unread when declared over ``max_response_bytes`` (32 MiB), cut there when streamed; never retried; memory bounded by the cap | ``test_a_50mb_answer_is_refused_unread_and_an_endless_one_cut_at_the_cap`` |
-| a full disk (``RLIMIT_FSIZE``) during an artifact write | ``OSError`` EFBIG; the previous artifact (file or stage directory) stays intact and readable, no temp file or staging directory is left; the error does not name the file (xfail, fix proposed) | ``test_full_disk_*`` |
+| a full disk (``RLIMIT_FSIZE``) during an artifact write | ``OSError`` EFBIG; the previous artifact (file or stage directory) stays intact and readable, no temp file or staging directory is left; the error names the file | ``test_full_disk_*`` |
 | two ``dvc repro`` at once | the second fails at once with DVC's lock message naming the first's PID; the first finishes; nothing half-written | ``test_two_dvc_repro_at_once_the_second_is_refused_and_says_why`` |
 | a Prefect flow run while ``dvc repro`` holds the repository | the flow fails with "locked by another run: PID n (dvc repro)" (``pipelines.dvc.DvcLocked``) | ``test_flow_run_while_dvc_repro_holds_the_repository_fails_saying_so`` |
-| the tool service killed and restarted during a rollout | calls retry through the outage and every episode finishes, each call counted once; a service that stays down should stop the run on its budget, but the engine swallows ``ToolServiceDown`` (xfail, fix proposed) | ``test_tool_service_*`` |
+| the tool service killed and restarted during a rollout | calls retry through the outage and every episode finishes, each call counted once; a service that stays down stops the run on its failure budget (``ToolServiceDown``) | ``test_tool_service_*`` |
 
 Time bounds are derived from the clients' settings: attempts x ``timeout_s`` plus the backoff waits, times the
 rounds a pool needs, plus ``SLACK_S`` for a loaded machine; the servers' slow answers take far longer than that.
@@ -213,9 +213,6 @@ def test_policy_endpoint_fault_ends_every_episode_as_a_counted_backend_error(api
     assert elapsed < bound_s(attempts), elapsed  # the four requests run at once
 
 
-@pytest.mark.xfail(strict=True, reason="no failure budget for the policy endpoint: evaluate_model stores every "
-                   "backend_error episode as a wrong answer (and a rerun reuses them); fix: a budget in "
-                   "OpenAIBackend (EndpointDown past it) or evaluate_model refusing to store backend_error episodes")
 def test_dead_policy_endpoint_stops_the_evaluation_and_stores_nothing(api, tmp_path):
     api.on(PATH, (500, {"error": {"message": "internal error"}}))
     store = ResultStore(tmp_path / "progress", "dead-policy")
@@ -379,8 +376,6 @@ def test_full_disk_during_an_artifact_write_keeps_the_previous_artifact(full_dis
     assert sorted(p.name for p in root.iterdir()) == ["rejects.parquet", "rejects.parquet.quality.json"]  # no temp
 
 
-@pytest.mark.xfail(strict=True, reason="mars.data.io.atomic_path re-raises the OSError as it is ('[Errno 27] File "
-                   "too large'): fix: catch OSError around the write and re-raise it naming the destination")
 def test_full_disk_error_names_the_file(full_disk_file):
     _, target, _, result = full_disk_file
     assert str(target) in result["message"], result["message"]
@@ -604,9 +599,6 @@ def test_tool_service_killed_and_restarted_mid_rollout_every_episode_finishes(to
         assert [c["turn"] for c in t.tool_calls] == [0, 1] and t.tool_calls[1]["latency_s"] >= outage_s
 
 
-@pytest.mark.xfail(strict=True, reason="mars.agent.engine.run_episodes catches every exception of toolbox.call, "
-                   "ToolServiceDown included, as an 'internal tool error' observation: the failure budget never "
-                   "stops a rollout; fix: re-raise ToolServiceDown (or any StageError) from the tool futures")
 def test_tool_service_down_for_good_stops_the_rollout_on_its_failure_budget(tool_world):
     from mars.tools.service import RemoteToolBox, ToolServiceDown
 

@@ -100,6 +100,7 @@ from mars.agent.protocol import (
     system_prompt,
 )
 from mars.data.schemas import TRAJECTORIES
+from mars.errors import StageError
 from mars.rl.judge import rule_judge
 from mars.rl.rewards import RewardWeights, compute_reward
 from mars.tools.base import TOOL_NAMES, TOOL_SCHEMAS, Observation
@@ -435,6 +436,8 @@ def run_episodes(
             for (ep, turn), fut in zip(calls, futures):
                 try:
                     obs = fut.result()
+                except StageError:
+                    raise  # a tool service past its failure budget stops the rollout with its message
                 except Exception as exc:  # a tool box other than ours might raise: never crash the rollout
                     obs = Observation(text=f"internal tool error: {type(exc).__name__}", error="internal tool error")
                 imgs = [im if im.mode == "RGB" else im.convert("RGB") for im in (obs.images or [])]

@@ -21,6 +21,7 @@ checks around ``polars.DataFrame``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -53,6 +54,8 @@ class ArtifactReadError(StageError, SchemaError):
 
 
 _UMASK_LOCK = threading.Lock()
+# a write that failed for want of room: the error names the file being written
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 
 
 def current_umask() -> int:
@@ -96,10 +99,16 @@ def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
-        with open(tmp_path, "rb") as fh:
-            os.fchmod(fh.fileno(), plain_file_mode())
-            os.fsync(fh.fileno())
+        try:
+            yield tmp_path
+            with open(tmp_path, "rb") as fh:
+                os.fchmod(fh.fileno(), plain_file_mode())
+                os.fsync(fh.fileno())
+        except OSError as exc:  # a full disk, a size limit: say which file (the previous one is kept)
+            if exc.errno not in _WRITE_ERRNOS or str(path) in str(exc):
+                raise
+            raise OSError(exc.errno, f"{exc.strerror} while writing {path} (the previous file is kept)",
+                          str(path)) from exc
         os.replace(tmp_path, path)
         _fsync_dir(path.parent)
     finally:

@@ -47,6 +47,7 @@ from tqdm import tqdm
 from mars.agent.engine import EngineConfig, PolicyBackend, Trajectory, messages_to_json, run_episodes
 from mars.data.io import atomic_path
 from mars.data.schemas import RESULTS
+from mars.errors import EndpointDown
 
 __all__ = ["ResultStore", "engine_question", "evaluate_model", "result_rows", "summarize", "plot_rows",
            "first_zoom_framed", "perception_by_attribute", "search_chain", "answer_form", "WORKFLOWS"]
@@ -165,6 +166,14 @@ def evaluate_model(
         t0 = time.perf_counter()
         trajs = run_episodes(qs, backend, toolbox, cfg, seed=seed + 1000 * part[0][1] + start, image_root=None)
         lat = (time.perf_counter() - t0) / len(part)
+        failed = [t for t in trajs if t.finish_reason == "backend_error"]
+        if failed:  # the policy's endpoint failed after its retries: a wrong answer it did not give is no score
+            errors = getattr(backend, "errors", None) or ["no detail"]
+            bar.close()
+            raise EndpointDown(f"policy endpoint of {model}/{workflow}: {len(failed)} of {len(trajs)} episodes of a "
+                               f"chunk ended in a backend error after retries ({errors[-1]}); that chunk was not "
+                               f"stored (the {len(store.done())} samples stored before it are kept): check the server, then "
+                               "rerun to score the rest")
         if judge is not None:
             _rejudge(trajs, qs, judge)
         store.append(result_rows(trajs, [r for r, _ in part], [s for _, s in part], model=model, workflow=workflow,

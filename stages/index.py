@@ -115,7 +115,8 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path]) -> di
     if text_recall < params.min_text_recall:
         problems.append(f"text recall@{params.k} {text_recall:.3f} < index.min_text_recall {params.min_text_recall}")
     if image_recall < params.min_image_recall:
-        problems.append(f"image recall@{params.k} {image_recall:.3f} < index.min_image_recall {params.min_image_recall}")
+        problems.append(f"image recall@{params.k} {image_recall:.3f} < index.min_image_recall "
+                        f"{params.min_image_recall}")
     if problems:
         raise RuntimeError("index probe failed (previous indexes kept): " + "; ".join(problems))
     with atomic_dir(outputs["out"]) as out:

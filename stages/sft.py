@@ -7,8 +7,8 @@ What it does (the phases, their knobs and checks: docs/training.md, SFT)
        ``n_trajectories`` (the paper's cold start is small, so RL has headroom): ``trajectories.parquet``.
     2. The model: ``init_checkpoint`` (a local Qwen2.5-VL or Qwen3-VL directory) or a tiny random-init Qwen2.5-VL
        (``arch: qwen3_vl``: Qwen3-VL, with ``agent.factor: 32``) with a tokenizer fitted to the world's text, the
-       teacher's dialogues and the protocol (:func:`mars.train.drawing.tokenizer_texts`; ``tokenizer: qwen``: the real vocabulary).
-       The untrained model is saved as ``base/`` (the evaluate stage's untrained row).
+       teacher's dialogues and the protocol (:func:`mars.train.drawing.tokenizer_texts`; ``tokenizer: qwen``: the
+       real vocabulary). The untrained model is saved as ``base/`` (the evaluate stage's untrained row).
     3. The stand-in for a base model's pre-training (steps 0 for a pretrained ``init_checkpoint``): phase 0, the
        vision tower alone (:mod:`mars.train.vision`: reading zoom crops, ``vision_pretrain_steps``; the framed grid
        cell, ``vision_locate_steps``); phase 1, text-only reading drills over real tool outputs with fresh
@@ -22,9 +22,12 @@ What it does (the phases, their knobs and checks: docs/training.md, SFT)
        clipping, accumulation, optional DeepSpeed ZeRO-2/3. The final model is saved as ``model/``, a
        self-contained HF checkpoint directory (weights, config, tokenizer, processor, chat template).
 
-Every phase checkpoints into ``--checkpoints`` under a key chained from the phases before it (:func:`mars.train.cold_start.phase_keys`:
-params, inputs, code, tokenizer and data), so a killed ``dvc repro`` resumes each phase where it stopped, and a
-change of a later phase's knobs (:data:`mars.train.cold_start.PHASE_KNOBS`) reruns only that phase and the ones after it.
+The phases run in order from :mod:`mars.train.cold_start` (each: its data, its steps, its check, its checkpoint key).
+Every phase checkpoints into ``--checkpoints`` under a key chained from the phases before it
+(:func:`mars.train.cold_start.phase_keys`: params, inputs, code, tokenizer and data), so a killed ``dvc repro``
+resumes each phase where it stopped, and a change of a later phase's knobs (:data:`mars.train.cold_start.PHASE_KNOBS`)
+reruns only that phase and the ones after it. The drawn drills keep their images in the policy's view and the
+rendered examples their pixels at a byte per value, so the stage stays within a laptop's memory.
 
 Deviations: the paper's teacher is a strong VLM with about 3k cold-start trajectories; the default's teacher is
 scripted over the generated world (imperfect on purpose) and SFT sees a few hundred trajectories. The paper starts
@@ -34,7 +37,6 @@ Run: ``python -m stages.sft --questions data/synthesize/questions.parquet --imag
 --world-dir data/world --index-dir data/index --out data/sft --checkpoints data/sft_ckpt --live data/sft_live
 --metrics data/metrics/sft.json``.
 """
-
 
 from __future__ import annotations
 
@@ -49,11 +51,11 @@ from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import QUESTIONS
 from mars.stage import expected_errors, load_section, stage_args, write_metrics
-from mars.train.cold_start import PHASES, SFTParams, check_arch, phase_keys, prepare, run_phases
+from mars.train.cold_start import SFTParams, check_arch, prepare, run_phases
 from mars.world.questions import asked_attributes
 from mars.world.scenes import SceneConfig
 
-__all__ = ["SECTION", "Params", "PHASES", "phase_keys", "run", "main"]
+__all__ = ["SECTION", "Params", "run", "main"]
 SECTION = "sft"
 Params = SFTParams  # the ``sft`` section of params.yaml (mars.train.cold_start: its knobs, checks and phase configs)
 log = logging.getLogger(__name__)

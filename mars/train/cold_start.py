@@ -425,7 +425,8 @@ def prepare(params: SFTParams, agent: AgentParams, trajs: list, texts: list[str]
     stack = Stack(model, tok, proc, examples, common, dialogues_digest(dialogues))
     stats = {}
     if params.vision_pretrain_steps:  # phase 0's reading trains on no drawn data: its key is the first
-        stats = vision_pretrain(params, model, proc, scene, ckpt_dir / "vision", phase_keys(params, common, {})["vision"])
+        key = phase_keys(params, common, {})["vision"]
+        stats = vision_pretrain(params, model, proc, scene, ckpt_dir / "vision", key)
     return stack, stats
 
 

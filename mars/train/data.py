@@ -34,8 +34,8 @@ from tqdm import tqdm
 
 from mars.model.chat import Rendered, render
 
-__all__ = ["dialogue_from_row", "dialogues_digest", "in_view", "render_examples", "PackedPixels", "pack_pixels", "unpack_pixels",
-           "EpochSampler", "collate", "Batch", "label_logits", "length_chunks"]
+__all__ = ["dialogue_from_row", "dialogues_digest", "in_view", "render_examples", "PackedPixels", "pack_pixels",
+           "unpack_pixels", "EpochSampler", "collate", "Batch", "label_logits", "length_chunks"]
 log = logging.getLogger(__name__)
 
 

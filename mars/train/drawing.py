@@ -33,8 +33,8 @@ from mars.world.questions import asked_attributes
 from mars.world.scenes import SceneConfig
 
 __all__ = ["teacher_trajectories", "tokenizer_texts", "pretrain_dialogues", "reading_dialogues", "play_and_draw",
-           "check_drills", "locate_block_dialogues", "PolicyView", "agent_view", "vision_drills", "frame_stage_dialogues",
-           "world_colours", "check_scene"]
+           "check_drills", "locate_block_dialogues", "PolicyView", "agent_view", "vision_drills",
+           "frame_stage_dialogues", "world_colours", "check_scene"]
 TEACHER_CHUNK = 64  # teacher episodes played at once (bounds the memory of full-resolution scenes)
 log = logging.getLogger(__name__)
 

@@ -65,7 +65,8 @@ log = logging.getLogger(__name__)
 HEADS: dict[str, int] = {"colour": len(PALETTE), "shape": len(SHAPES), "glyph": len(GLYPHS) + 1,
                          "pattern": len(PATTERNS) + 1}
 NONE_LAST = frozenset({"glyph", "pattern"})  # heads whose last class means "none drawn" (not scored)
-Labelled = tuple[PackedPixels | torch.Tensor, torch.Tensor, tuple[int, ...]]  # (pixel values, image_grid_thw [1, 3], label per head)
+# (pixel values, image_grid_thw [1, 3], a label per head)
+Labelled = tuple[PackedPixels | torch.Tensor, torch.Tensor, tuple[int, ...]]
 
 
 def cell_heads(grid_rows: int, grid_cols: int) -> dict[str, int]:

@@ -170,3 +170,34 @@ def serve_app(app, path: str = "/v1"):
         srv.should_exit = True
         thread.join(5)
         sock.close()
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """A Prefect server on 127.0.0.1 in a temporary PREFECT_HOME: (home, API URL)."""
+    from mars.cli import start_prefect_server, stop_process
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    proc = start_prefect_server(home, port, home / "server.log")
+    try:
+        yield home, f"http://127.0.0.1:{port}/api"
+    finally:
+        stop_process(proc)
+
+
+@contextlib.contextmanager
+def umask(value: int):
+    """The process's umask set to ``value`` inside the block."""
+    old = os.umask(value)
+    try:
+        yield
+    finally:
+        os.umask(old)

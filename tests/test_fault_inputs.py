@@ -5,7 +5,6 @@ Both tests run the real stages (``run()``) on the smoke profile, with their para
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import http.server
@@ -26,7 +25,7 @@ from PIL import Image
 from mars.curate.download import failure_id
 from mars.params import load_params
 from stages import curate, world
-from tests.conftest import REPO
+from tests.conftest import REPO, umask
 
 
 def write_params(tmp: Path, **world_overrides) -> tuple[world.Params, curate.Params]:
@@ -69,15 +68,6 @@ def png_header_only(width: int, height: int) -> bytes:
 
     ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
-
-
-@contextlib.contextmanager
-def umask(value: int):
-    old = os.umask(value)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def outcome_by_path(tmp: Path) -> tuple[dict[str, str], dict[str, dict]]:

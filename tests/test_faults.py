@@ -478,22 +478,8 @@ def test_two_dvc_repro_at_once_the_second_is_refused_and_says_why(hold_repo):
     assert "Running stage" not in dvc(["repro"], hold_repo).stdout
 
 
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    """A Prefect server on 127.0.0.1 in a temporary PREFECT_HOME: (home, API URL)."""
-    from mars.cli import start_prefect_server, stop_process
-
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    proc = start_prefect_server(home, port, home / "server.log")
-    try:
-        yield home, f"http://127.0.0.1:{port}/api"
-    finally:
-        stop_process(proc)
-
-
-def test_flow_run_while_dvc_repro_holds_the_repository_fails_saying_so(hold_repo, prefect_server):
-    home, api_url = prefect_server
+def test_flow_run_while_dvc_repro_holds_the_repository_fails_saying_so(hold_repo, prefect_api):
+    home, api_url = prefect_api
     with holding(hold_repo) as holder:
         flow = sh([sys.executable, "-m", "mars.cli", "pipeline", "--repo", str(hold_repo)], hold_repo, check=False,
                   PREFECT_HOME=str(home), PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false")

@@ -3,31 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import httpx
-import pytest
 
-from mars.cli import start_prefect_server, stop_process
 from tests.conftest import sh
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    proc = start_prefect_server(home, port, home / "server.log")
-    try:
-        yield home, f"http://127.0.0.1:{port}/api"
-    finally:
-        stop_process(proc)
 
 
 def run_flow(repo, home, api, *args):

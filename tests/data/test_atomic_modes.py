@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 from pathlib import Path
@@ -13,15 +12,7 @@ import pytest
 
 from mars.data.io import (atomic_dir, atomic_open, atomic_path, atomic_write_bytes, atomic_write_text, current_umask,
                           plain_dir_mode, plain_file_mode, write_table)
-
-
-@contextlib.contextmanager
-def umask(value: int):
-    old = os.umask(value)
-    try:
-        yield
-    finally:
-        os.umask(old)
+from tests.conftest import umask
 
 
 def mode(path: Path) -> int:

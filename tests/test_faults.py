@@ -48,7 +48,7 @@ from mars.rl.judge import JudgeUnavailable, LLMJudge
 from mars.synth.llm import LLMSynthesizer
 from tests.conftest import REPO, dvc, sh, sub_env
 from tests.test_prefect_flow import last_flow_run
-from tests.tools.test_service import free_port, wait_up
+from tests.tools.test_service import free_port, wait_up, world  # noqa: F401  (world: a fixture)
 from tests.tools.test_web import FakeAPI, chat_answer
 
 PATH = "/v1/chat/completions"
@@ -495,23 +495,6 @@ def test_flow_run_while_dvc_repro_holds_the_repository_fails_saying_so(hold_repo
 # --- row: the tool service killed during a rollout ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tool_world(tmp_path_factory):
-    """The smoke world's gallery and indexes, for ``mars serve-tools``: (root, world tables)."""
-    from mars.tools.embedders import load_embedder
-    from mars.tools.image_index import ImageIndex
-    from mars.tools.text_index import TextIndex
-    from mars.world.generate import WorldSpec, generate_world
-
-    root = tmp_path_factory.mktemp("tool-world")
-    tables = generate_world(WorldSpec.smoke(), root / "raw", root / "gallery", progress=False)
-    TextIndex.build(tables.corpus).save(root / "index/text")
-    ImageIndex.build(tables.gallery, root / "gallery", load_embedder("color_layout"), show_progress=False).save(
-        root / "index/image")
-    (root / "index/manifest.json").write_text('{"embedder": "color_layout"}')
-    return root, tables
-
-
 def serve_tools(root: Path, port: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "mars.cli", "serve-tools", "--index-dir", str(root / "index"),
                              "--gallery-dir", str(root / "gallery"), "--port", str(port)],
@@ -541,11 +524,11 @@ def numbered_questions(n: int) -> list[dict]:
              "image": Image.new("RGB", (64, 48), (90, 90, 90))} for i in range(n)]
 
 
-def test_tool_service_killed_and_restarted_mid_rollout_every_episode_finishes(tool_world):
+def test_tool_service_killed_and_restarted_mid_rollout_every_episode_finishes(world):
     from mars.tools.service import RemoteToolBox
     from mars.tools.toolbox import ToolBox, ToolConfig
 
-    root, tables = tool_world
+    root, tables = world
     names = tables.entities.column("name").to_pylist()
     port = free_port()
     procs = [serve_tools(root, port)]
@@ -585,10 +568,10 @@ def test_tool_service_killed_and_restarted_mid_rollout_every_episode_finishes(to
         assert [c["turn"] for c in t.tool_calls] == [0, 1] and t.tool_calls[1]["latency_s"] >= outage_s
 
 
-def test_tool_service_down_for_good_stops_the_rollout_on_its_failure_budget(tool_world):
+def test_tool_service_down_for_good_stops_the_rollout_on_its_failure_budget(world):
     from mars.tools.service import RemoteToolBox, ToolServiceDown
 
-    root, tables = tool_world
+    root, tables = world
     names = tables.entities.column("name").to_pylist()
     port = free_port()
     proc = serve_tools(root, port)

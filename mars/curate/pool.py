@@ -67,6 +67,7 @@ from tqdm import tqdm
 from mars.curate.hashing import hamming_to_many, hashes_to_array
 from mars.curate.probe import ProbeLimits, ProbeResult, probe_file
 from mars.data.schemas import CURATED, RAW_IMAGES, REJECTS
+from mars.workers import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -113,17 +114,6 @@ class CurateConfig:
 _Task = tuple[str, str, str, str, ProbeLimits]
 
 
-def _die_with_parent() -> None:
-    """A worker's initializer: on Linux the kernel kills the worker when the stage's process dies (``kill -9``
-    included), instead of leaving it blocked on the pool's pipe as an orphan."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-
-
 def _mp_context() -> multiprocessing.context.BaseContext:
     """"fork" on Linux (cheap, no re-import of ``__main__``), "spawn" elsewhere.
 
@@ -154,7 +144,7 @@ def _probe_all(
         else:
             n = min(workers, len(tasks))
             chunksize = max(1, min(8, len(tasks) // (n * 8)))
-            with ProcessPoolExecutor(max_workers=n, mp_context=_mp_context(), initializer=_die_with_parent) as ex:
+            with ProcessPoolExecutor(max_workers=n, mp_context=_mp_context(), initializer=die_with_parent) as ex:
                 it = ex.map(_probe_task, tasks, chunksize=chunksize)
                 for r in it:
                     results.append(r)

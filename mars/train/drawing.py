@@ -132,15 +132,15 @@ def play_and_draw(params: SFTParams, agent: AgentParams, inputs: dict[str, Path]
     teacher and ``meanwhile``, phase 1's dialogues, the block's, the check drills). One worker (the stage's) draws
     the two in turn; two draw them at once, which on two cores did not shorten the step (5.8 minutes against 5.6:
     the teacher and one worker already hold both cores; ``probes/probe_drawing.py`` times both)."""
-    import multiprocessing as mp
+    from mars.workers import Background
 
     if workers not in (1, 2):
         raise ValueError(f"play_and_draw draws two parts: workers must be 1 or 2, got {workers}")
-    # a Pool, not a ProcessPoolExecutor: leaving it terminates the drawing, so a teacher error shows at once
-    with mp.get_context("spawn").Pool(workers) as drawer:
-        reading = drawer.apply_async(reading_dialogues, (params, agent, inputs["world_dir"], inputs["index_dir"],
-                                                         all_questions, scene, system))
-        block = drawer.apply_async(locate_block_dialogues, (params, scene, system, attributes, agent_view(agent)))
+    # leaving the block kills the drawing: a teacher error shows at once, with no drawing process left behind
+    with Background([(reading_dialogues, (params, agent, inputs["world_dir"], inputs["index_dir"], all_questions,
+                                          scene, system)),
+                     (locate_block_dialogues, (params, scene, system, attributes, agent_view(agent)))],
+                    workers) as drawing:
         questions = [q for q in all_questions if q["split"] == "sft"]
         trajs, stats = teacher_trajectories(params, agent, questions, inputs["image_root"], inputs["world_dir"],
                                             inputs["index_dir"])
@@ -153,7 +153,7 @@ def play_and_draw(params: SFTParams, agent: AgentParams, inputs: dict[str, Path]
                 torch.set_num_threads(threads)
             stats["beside_drawing_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
-        (pretrain, held_out), locate = reading.get(), block.get()
+        (pretrain, held_out), locate = drawing.results()
         stats["drills_wait_s"] = round(time.perf_counter() - t0, 1)
     return trajs, stats, pretrain, locate, held_out
 

@@ -207,3 +207,33 @@ def test_a_knob_measured_not_to_help_is_an_unknown_key(tmp_path, section, key, v
     unknown = rf"\[{section}, profile default\]: unknown key '{key}'. Nearest valid key: '\w+'"
     with pytest.raises(ParamsError, match=unknown):
         load_params(section, _section_classes()[section], path)
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("rl.steps", "30", 30),
+    ("sft.lr", "0.001", 0.001),
+    ("profiles.smoke.rl.steps", "2", 2),
+    ("synthesize.llm_model", "qwen", "qwen"),
+    ("evaluate.runs", "[sft/agentic,rl/agentic]", ["sft/agentic", "rl/agentic"]),
+])
+def test_dvc_exp_set_changes_only_the_lines_of_the_key_it_sets(tmp_path, key, value, expected):
+    """params.yaml is written the way DVC writes it back (block style, its quoting), so the file `dvc exp run -S
+    key=value` leaves differs from the repository's only on that key's lines (its list items for a list)."""
+    import difflib
+    import shutil
+
+    import yaml
+    from dvc.utils.hydra import apply_overrides  # what `dvc exp run -S` calls on params.yaml
+
+    path = tmp_path / "params.yaml"
+    shutil.copy(REPO / "params.yaml", path)
+    apply_overrides(str(path), [f"{key}={value}"])
+    before, after = (REPO / "params.yaml").read_text().splitlines(), path.read_text().splitlines()
+    changed = [ln[1:] for ln in difflib.unified_diff(before, after, lineterm="", n=0)
+               if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    leaf = key.rsplit(".", 1)[-1]
+    assert changed and all(ln.lstrip().startswith((f"{leaf}:", "- ")) for ln in changed), changed
+    doc = yaml.safe_load(path.read_text())
+    for part in key.split("."):
+        doc = doc[part]
+    assert doc == expected

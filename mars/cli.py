@@ -3,7 +3,8 @@
 - ``mars params check``: validate params.yaml (base, the active profile, every stage in
   dvc.yaml against its ``Params`` dataclass, the pipeline section) before any work.
 - ``mars stage NAME [args]``: run one stage's ``main`` (what dvc.yaml calls).
-- ``mars pipeline [--stages ...] [--set key=value ...]``: run the Prefect flow.
+- ``mars pipeline [--stages ...] [--set key=value ... [--name NAME]]``: run the Prefect flow (with ``--set``: as one
+  DVC experiment).
 - ``mars serve --checkpoint DIR``: an OpenAI-compatible chat-completions server for a local
   checkpoint (:mod:`mars.serve.openai_server`) on 127.0.0.1.
 - ``mars serve-tools --index-dir data/index --gallery-dir data/world/gallery``: the tool

@@ -2,8 +2,9 @@
 
 The deployment (name from ``pipeline.deployment_name``) carries a cron schedule from
 ``pipeline.schedule_cron``, inactive unless ``pipeline.schedule_active`` is true. Runs
-started from the UI take ``stages`` and ``overrides`` as parameters, so a user can rerun
-one stage with new params without editing params.yaml.
+started from the UI take ``stages``, ``overrides`` and ``experiment`` as parameters: a run with
+overrides is one DVC experiment (``dvc exp show`` lists it), so a user can rerun one stage with new
+params without editing params.yaml.
 
 Run with ``mars ui`` (starts a local server too) or, against a running server,
 ``PREFECT_API_URL=http://127.0.0.1:4200/api python -m pipelines.deploy``.
@@ -27,7 +28,8 @@ def serve(repo: str = ".") -> None:
         name=cfg.deployment_name,
         schedules=[schedule] if schedule else None,
         parameters={"repo": root},
-        description="Run the MARS DVC stages (all, or a subset with what they need), optionally with param overrides.",
+        description="Run the MARS DVC stages (all, or a subset with what they need); with param overrides, as one "
+                    "DVC experiment over the stages and what depends on them.",
         tags=["mars"],
     )
 

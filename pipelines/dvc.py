@@ -6,7 +6,9 @@ dvc.yaml (stage names, deps, outs, metrics; the DAG follows from outs feeding de
 :func:`run_dvc` runs one DVC command and streams its output line by line to a callback.
 A command refused because another DVC process holds the repository (its lock, or the read/write
 lock of a running stage's files) is reported as :class:`DvcLocked`, whose message says so and
-names the process (:func:`lock_message`).
+names the process (:func:`lock_message`). :class:`ExperimentRun` runs one ``dvc exp run --temp`` (a run with param
+overrides: one DVC experiment, whose unchanged stages DVC restores) in the background and hands each stage's part
+of its output to whoever follows that stage (the flow's task for it), as DVC reaches it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -123,6 +126,20 @@ def ordered(dag: dict[str, StageSpec], wanted: Iterable[str] | None = None) -> l
     return order
 
 
+def with_downstream(dag: dict[str, StageSpec], wanted: Iterable[str] | None = None) -> list[str]:
+    """``wanted`` (default: every stage) plus every stage downstream of them, in dvc.yaml order."""
+    names = set(dag) if wanted is None else set(wanted)
+    unknown = sorted(names - set(dag))
+    if unknown:
+        raise DvcError(f"unknown stage '{unknown[0]}'; stages in dvc.yaml: {', '.join(dag) or '(none)'}")
+    grew = True
+    while grew:
+        more = {n for n, spec in dag.items() if spec.upstream & names} - names
+        names |= more
+        grew = bool(more)
+    return [n for n in dag if n in names]
+
+
 def dvc_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("DVC_NO_ANALYTICS", "1")
@@ -170,3 +187,88 @@ def stage_is_current(stage: str, repo: str | Path) -> bool:
 
     status = json.loads(proc.stdout.strip().splitlines()[-1] or "{}")
     return stage not in status and not any(k.endswith(f":{stage}") for k in status)
+
+
+# How DVC announces each stage it reaches: run, restored from the run-cache, or unchanged (its outputs checked out).
+_STAGE_LINE = re.compile(r"^(?:Running stage '([^']+)'|Stage '([^']+)' (is cached|didn't change))")
+_RAN_EXP = re.compile(r"Ran experiment\(s\):\s*(\S+)")
+
+
+class ExperimentRun:
+    """``dvc exp run --temp [-n name] -S key=value ... <targets>`` in a background thread: one DVC experiment in a
+    temporary copy of the repository (the workspace is untouched). :meth:`follow` streams one stage's lines as DVC
+    reaches the stage and returns how DVC handled it (``ran``, ``restored`` from the run-cache, ``unchanged``);
+    :meth:`finish` waits for the end and returns the experiment's name."""
+
+    def __init__(self, repo: str | Path, overrides: dict[str, str], targets: Iterable[str] = (),
+                 name: str | None = None):
+        self.repo = Path(repo)
+        sets = [a for k, v in overrides.items() for a in ("-S", f"{k}={v}")]
+        self.args = ["exp", "run", "--temp", *(["-n", name] if name else []), *sets, *targets]
+        self.command = f"dvc {' '.join(self.args)}"
+        self._cond = threading.Condition()
+        self._order: list[str] = []  # stages in the order DVC reached them
+        self._status: dict[str, str] = {}
+        self._lines: dict[str, list[str]] = {}
+        self.code: int | None = None
+        self.output = ""
+        self._thread = threading.Thread(target=self._run, name="dvc-exp-run", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            code, output = run_dvc(self.args, self.repo, on_line=self._line)
+        except BaseException as exc:  # noqa: BLE001 - reported to the followers as a failed command
+            code, output = -1, f"{self.command} could not run: {exc}"
+        with self._cond:
+            self.code, self.output = code, output
+            self._cond.notify_all()
+
+    def _line(self, line: str) -> None:
+        with self._cond:
+            m = _STAGE_LINE.match(line)
+            if m:
+                stage = m[1] or m[2]
+                self._order.append(stage)
+                self._status[stage] = "ran" if m[1] else "restored" if m[3] == "is cached" else "unchanged"
+                self._lines[stage] = [line]
+            elif self._order:
+                self._lines[self._order[-1]].append(line)
+            self._cond.notify_all()
+
+    def _failure(self) -> DvcError:
+        locked = lock_message(self.output, self.repo, self.command)
+        if locked:
+            return DvcLocked(locked)
+        return DvcError(f"{self.command} failed with exit code {self.code} (see the log above)")
+
+    def follow(self, stage: str, on_line: Callable[[str], None]) -> str:
+        """Send ``stage``'s output lines to ``on_line`` as they come; once DVC has moved past the stage, return its
+        status. Raises :class:`DvcError` when the command fails in the stage or ends before reaching it."""
+        sent = 0
+        with self._cond:
+            while True:
+                lines = self._lines.get(stage, [])
+                for line in lines[sent:]:
+                    on_line(line)
+                sent = len(lines)
+                ended = self.code is not None
+                if stage in self._status and (self._order[-1] != stage or ended):
+                    if ended and self.code != 0 and self._order[-1] == stage:
+                        raise self._failure()
+                    return self._status[stage]
+                if ended:
+                    if self.code != 0:
+                        raise self._failure()
+                    raise DvcError(f"{self.command} ended without reaching stage '{stage}'")
+                self._cond.wait()
+
+    def finish(self) -> str:
+        """Wait for the command; the experiment's name (DVC's ``Ran experiment(s): NAME``)."""
+        self._thread.join()
+        if self.code != 0:
+            raise self._failure()
+        found = _RAN_EXP.findall(self.output)
+        if not found:
+            raise DvcError(f"{self.command}: DVC did not name the experiment it ran; its output:\n{self.output}")
+        return found[-1]

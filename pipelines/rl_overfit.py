@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
               "index_dir": d / "index", "sft": d / "sft"}
     rl.run(params, load_params("agent", AgentParams, ns.params), inputs,
            {"out": ns.out / "rl", "checkpoints": ns.out / "ckpt", "live": ns.out / "live",
-            "metrics": ns.out / "rl.json"})
+            "plots": ns.out / "plots", "metrics": ns.out / "rl.json"})
     history = json.loads((ns.out / "rl" / "monitors.json").read_text())
     print(f"\n{'step':>4}{'reward':>8}{'answer':>8}{'format':>8}{'kl/update':>11}{'clip':>7}{'grad':>7}")
     for h in history:

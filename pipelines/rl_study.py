@@ -4,7 +4,7 @@ What it does
     For every (algorithm, seed) it runs the ``rl`` stage's ``run()`` with the params of params.yaml except
     ``rl.algorithm`` and ``rl.seed``, into ``<out>/<algorithm>-s<seed>/``, then evaluates that checkpoint with the
     ``evaluate`` stage's ``run()`` (``runs: [rl/agentic]``, plus ``sft/agentic`` once as the reference; evaluation
-    results are reused when a checkpoint was already scored). It prints and writes (``<out>/summary.json``) the
+    results are reused when a checkpoint was already scored). It prints and writes (``--summary``) the
     test accuracy per algorithm and seed, the mean and spread (min..max, std) over seeds, the change against the
     SFT checkpoint and how many seeds beat it (:func:`aggregate`), localisation (``first_zoom_framed``), and each
     run's reward curve (first / last 5 steps) and wall-clock time, so SFT-only and SFT+RL can be compared at equal
@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithms", nargs="+", default=["bn_gspo", "gspo", "grpo"])
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--data", type=Path, default=Path("data"), help="the pipeline's data directory")
-    ap.add_argument("--out", type=Path, default=Path("data/experiments"))
+    ap.add_argument("--out", type=Path, default=Path("data/experiments"), help="the runs' checkpoints and outputs")
+    ap.add_argument("--summary", type=Path, default=Path("metrics/rl_study.json"),
+                    help="the summary (git-tracked: dvc.yaml lists it as a top-level metric)")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [rl_study] %(message)s", datefmt="%H:%M:%S")
     agent = load_params("agent", AgentParams, ns.params)
@@ -84,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             m = rl.run(replace(base_rl, algorithm=alg, seed=seed), agent, inputs,
                        {"out": run_dir / "rl", "checkpoints": run_dir / "ckpt", "live": run_dir / "live",
-                        "metrics": run_dir / "rl.json"})
+                        "plots": run_dir / "plots/rl", "metrics": run_dir / "rl.json"})
             rl_s = time.perf_counter() - t0
             runs = ("rl/agentic", "sft/agentic") if sft_acc is None else ("rl/agentic",)
             ev = evaluate.run(replace(base_ev, runs=runs, seed=base_ev.seed), agent, {**inputs, "rl": run_dir / "rl"},
                               {"out": run_dir / "evaluate", "progress": ns.out / "evaluate_progress",
-                               "metrics": run_dir / "evaluate.json"})
+                               "plots": run_dir / "plots/evaluate", "metrics": run_dir / "evaluate.json"})
             if sft_acc is None:
                 sft_acc, sft_zoom = _acc(ev, "sft/agentic"), ev["test"]["sft/agentic"].get("first_zoom_framed")
             acc, by_type = _acc(ev, "rl/agentic")
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         spread, reward = f"{a['min']:.3f}..{a['max']:.3f}", f"{a['reward_first']:.3f} -> {a['reward_last']:.3f}"
         print(f"{alg:<10}{a['seeds']:>6}{a['mean']:>10.3f}{spread:>14}{a['delta_vs_sft']:>+9.3f}{reward:>22}")
     print(f"{'sft':<10}{'':>6}{sft_acc[0]:>10.3f}")
-    write_metrics(ns.out / "summary.json", summary)  # atomically; dvc.yaml lists it for `dvc metrics show`
+    write_metrics(ns.summary, summary)  # atomically; dvc.yaml lists it for `dvc metrics show`
     return 0
 
 

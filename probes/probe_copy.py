@@ -30,7 +30,7 @@ Run (in a pipeline's working directory, after ``dvc repro`` reached sft)::
 
     python probes/probe_copy.py --model data/sft/model
     # the same for phase 1's last checkpoint (weights from a training state.pt, the model's tokenizer):
-    python probes/probe_copy.py --model data/sft/model --state data/sft_ckpt/pretrain/step-002000/state.pt
+    python probes/probe_copy.py --model data/sft/model --state .scratch/sft/checkpoints/pretrain/step-002000/state.pt
     # perception: the answer turn after the teacher's (right) zoom
     python probes/probe_copy.py --model data/sft/model --types perception
 """

@@ -5,7 +5,7 @@ What it measures
     model's loss, and whether its random-init tower found the red frame that way varied between runs (docs/findings.md).
     Phase 0's localisation half (``sft.vision_locate_steps``; :func:`mars.train.cold_start.vision_locate`) teaches the
     tower the framed cell directly before the block. This probe replays the block from a pipeline's phase-1 state
-    (``data/sft_ckpt/pretrain/step-*/state.pt``: the language model after the text-only pre-training phase, which never
+    (``.scratch/sft/checkpoints/pretrain/step-*/state.pt``: the language model after the text-only pre-training phase, which never
     touches the vision tower) with the untrained tower of ``data/sft/base``, twice per block seed: as it is (the
     baseline) and after ``--tower-steps`` steps of phase-0 localisation. The block is the stage's: its drills, its
     ``locate_mix`` share of phase 1's examples, its rates and schedule (``--block-steps``, default
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", default="params.yaml", help="its sft and agent sections")
     ap.add_argument("--base", default="data/sft/base", help="the untrained checkpoint the sft stage saved")
     ap.add_argument("--state", default="", help="the phase-1 state.pt (default: the newest under "
-                    "data/sft_ckpt/pretrain)")
+                    ".scratch/sft/checkpoints/pretrain)")
     ap.add_argument("--questions", default="data/synthesize/questions.parquet")
     ap.add_argument("--world-dir", default="data/world")
     ap.add_argument("--index-dir", default="data/index")
@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=100, help="probe every this many block steps")
     ap.add_argument("--n", type=int, default=80, help="held-out drills")
     ns = ap.parse_args(argv)
-    state = Path(ns.state) if ns.state else newest_state(Path("data/sft_ckpt/pretrain"))
+    state = Path(ns.state) if ns.state else newest_state(Path(".scratch/sft/checkpoints/pretrain"))
     for path in (ns.base, state, ns.questions, ns.world_dir, ns.index_dir):
         if path is None or not Path(path).exists():
-            ap.error(f"{path or 'data/sft_ckpt/pretrain/step-*'}: not found (run `dvc repro` up to the sft stage "
+            ap.error(f"{path or '.scratch/sft/checkpoints/pretrain/step-*'}: not found (run `dvc repro` up to the sft stage "
                      "with sft.pretrain_steps > 0, or pass existing paths)")
     if ns.tower_steps < 1 or ns.every < 1 or ns.n < 1 or ns.block_steps < 0:
         ap.error("need --tower-steps, --every and --n >= 1 and --block-steps >= 0")

@@ -11,13 +11,13 @@ What it does
     ``endpoints`` (an OpenAI-compatible server: vLLM, or an API model as an agentic baseline).
     Each question is played ``k`` times (Avg@k; sample 0 is Pass@1) with ``temperature`` and ``seed`` recorded.
     Scoring: the shared rule judge, or ``judge: llm`` on an endpoint; the judge's identity is in every row.
-    Resumable: finished chunks of samples are appended to ``--progress`` (kept by DVC across runs), keyed by a
+    Resumable: finished chunks of samples are appended to ``--progress`` (scratch space DVC does not track), keyed by a
     fingerprint of the model weights, the benchmark, the params and the code (``mars`` and ``stages``); an
     interrupted run continues, a rerun with the same inputs and code scores nothing again, and every sample is
     scored exactly once (checked).
 
-Outputs (``--out``): ``results.parquet`` (RESULTS schema), ``report.html`` (self-contained, every trajectory),
-``plots/accuracy.csv`` and ``plots/tool_calls.csv`` (``dvc plots show``); ``--metrics``: accuracy per
+Outputs (``--out``): ``results.parquet`` (RESULTS schema), ``report.html`` (self-contained, every trajectory);
+``--plots``: ``accuracy.csv`` and ``tool_calls.csv`` (``dvc plots show``); ``--metrics``: accuracy per
 benchmark, model/workflow, question type, category and difficulty, and on the test split (with
 ``agent.coords: relative``) ``first_zoom_framed``: the share of scene episodes whose first zoom lands in the framed
 cell (:func:`mars.eval.run.first_zoom_framed`; localisation, chance one cell of the grid), and the search
@@ -28,8 +28,8 @@ per asked attribute (``perception_by_attribute``: colour, shape, letter, pattern
 ``letter_on_choice``: the shares answered with a bare option letter; :func:`mars.eval.run.answer_form`).
 
 Run: ``python -m stages.evaluate --questions data/synthesize/questions.parquet --image-root data/synthesize
---world-dir data/world --index-dir data/index --sft data/sft --out data/evaluate --progress data/evaluate_progress
---metrics data/metrics/evaluate.json`` (add ``--rl data/rl`` for the RL checkpoint).
+--world-dir data/world --index-dir data/index --sft data/sft --out data/evaluate --progress .scratch/evaluate/progress
+--plots plots/evaluate --metrics metrics/evaluate.json`` (add ``--rl data/rl`` for the RL checkpoint).
 """
 
 from __future__ import annotations
@@ -207,13 +207,13 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
     acc, tools = plot_rows(results)
     with atomic_dir(outputs["out"]) as out:
         write_artifacts({out / "results.parquet": (results, "results")})
-        (out / "plots").mkdir()
+        write_report(results, metrics, out / "report.html", max_trajectories=params.report_max_trajectories)
+    with atomic_dir(outputs["plots"]) as plots:
         for name, rows_ in (("accuracy", acc), ("tool_calls", tools)):
-            with (out / "plots" / f"{name}.csv").open("w", newline="") as f:
+            with (plots / f"{name}.csv").open("w", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=list(rows_[0]))
                 w.writeheader()
                 w.writerows(rows_)
-        write_report(results, metrics, out / "report.html", max_trajectories=params.report_max_trajectories)
     write_metrics(outputs["metrics"], metrics)
     for bench, by in metrics.items():
         for mw, e in by.items():
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     with expected_errors():
         params, inputs, outputs = stage_args(
             SECTION, Params, argv, inputs=("questions", "image_root", "world_dir", "index_dir"),
-            outputs=("out", "progress", "metrics"), optional_inputs=("sft", "rl"),
+            outputs=("out", "progress", "plots", "metrics"), optional_inputs=("sft", "rl"),
         )
         run(params, load_section("agent", AgentParams, argv), inputs, outputs)
     return 0

@@ -5,10 +5,11 @@ What it does
     the tools (the ``agent`` params section), and runs :func:`mars.train.rl.train_rl`: B prompts x G rollouts per
     step through the shared engine, the shared judge and rewards, advantages by ``rl.algorithm``'s recipe
     (``bn_gspo`` default, ``gspo``, ``grpo``), ``ppo_epochs`` x ``mini_batches`` clipped updates, monitors in
-    dvclive (``--live``; ``dvc plots show``), checkpoints in ``--checkpoints`` (kept by DVC across runs: a killed
-    ``dvc repro`` resumes). Writes the final self-contained HF checkpoint (``model/``), ``rollouts.parquet`` (a few
-    rollouts per step, for the report) and ``monitors.json``; metrics: the first and last windows of the
-    monitors and the step time split (rollout / old log-probs / update).
+    dvclive (``--live``, copied to ``--plots`` at the end for ``dvc plots``), checkpoints in ``--checkpoints``
+    (``--live`` and ``--checkpoints`` are scratch space that DVC does not track: a killed ``dvc repro`` resumes,
+    and DVC's run-cache can restore the stage). Writes the final self-contained HF checkpoint (``model/``),
+    ``rollouts.parquet`` (a few rollouts per step, for the report) and ``monitors.json``; metrics: the first and
+    last windows of the monitors and the step time split (rollout / old log-probs / update).
 
 The trainer trains exactly the token ids the policy sampled, with log-probs at the sampling temperature
 (docs/training.md).
@@ -21,8 +22,8 @@ path). The server is asked for each sampled token's id and log-prob (``logprobs`
 run vLLM with ``--logprobs-mode processed_logprobs`` so they are at the sampling temperature.
 
 Run: ``python -m stages.rl --questions data/synthesize/questions.parquet --image-root data/synthesize
---world-dir data/world --index-dir data/index --sft data/sft --out data/rl --checkpoints data/rl_ckpt
---live data/rl_live --metrics data/metrics/rl.json``.
+--world-dir data/world --index-dir data/index --sft data/sft --out data/rl --checkpoints .scratch/rl/checkpoints
+--live .scratch/rl/live --plots plots/rl --metrics metrics/rl.json``.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def remote_backend_factory(params: Params, processor, save_dir: Path):
 
 def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: dict[str, Path]) -> dict:
     from mars.model.build import load_checkpoint, save_checkpoint
-    from mars.train.checkpoint import fingerprint
+    from mars.train.checkpoint import fingerprint, publish_curves
     from mars.train.rl import train_rl
     from stages import code_digest
 
@@ -151,6 +152,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         rows = [{k: v for k, v in s.items() if k != "step"} for s in summary["samples"]]
         write_artifacts({out / "rollouts.parquet": (pa.Table.from_pylist(rows, schema=TRAJECTORIES), "trajectories")})
         atomic_write_text(out / "monitors.json", json.dumps(history, indent=1) + "\n")
+    publish_curves(outputs["live"], outputs["plots"])
     metrics = {"algorithm": params.algorithm, "estimator": summary["estimator"], "level": summary["level"],
                "steps": params.steps, "resumed_from": summary["resumed_from"], "peak_rss_mb": summary["peak_rss_mb"]}
     for key in ("reward", "reward_answer", "reward_format", "accuracy", "tool_calls", "degenerate_groups",
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     with expected_errors():
         params, inputs, outputs = stage_args(
             SECTION, Params, argv, inputs=("questions", "image_root", "world_dir", "index_dir", "sft"),
-            outputs=("out", "checkpoints", "live", "metrics"),
+            outputs=("out", "checkpoints", "live", "plots", "metrics"),
         )
         run(params, load_section("agent", AgentParams, argv), inputs, outputs)
     return 0

@@ -23,19 +23,21 @@ What it does (the phases, their knobs and checks: docs/training.md, SFT)
        self-contained HF checkpoint directory (weights, config, tokenizer, processor, chat template).
 
 The phases run in order from :mod:`mars.train.cold_start` (each: its data, its steps, its check, its checkpoint key).
-Every phase checkpoints into ``--checkpoints`` under a key chained from the phases before it
+Every phase checkpoints into ``--checkpoints`` (scratch space that DVC does not track, so that its run-cache can restore
+the stage) under a key chained from the phases before it
 (:func:`mars.train.cold_start.phase_keys`: params, inputs, code, tokenizer and data), so a killed ``dvc repro``
 resumes each phase where it stopped, and a change of a later phase's knobs (:data:`mars.train.cold_start.PHASE_KNOBS`)
 reruns only that phase and the ones after it. The drawn drills keep their images in the policy's view and the
-rendered examples their pixels at a byte per value, so the stage stays within a laptop's memory.
+rendered examples their pixels at a byte per value, so the stage stays within a laptop's memory. Phase 2's curve is
+logged to ``--live`` (scratch, resumed with the checkpoints) and copied at the end to ``--plots`` (``dvc plots``).
 
 Deviations: the paper's teacher is a strong VLM with about 3k cold-start trajectories; the default's teacher is
 scripted over the generated world (imperfect on purpose) and SFT sees a few hundred trajectories. The paper starts
 from a pretrained Qwen2.5-VL; the default's random-init model gets the short pre-training phases (step 3) first.
 
 Run: ``python -m stages.sft --questions data/synthesize/questions.parquet --image-root data/synthesize
---world-dir data/world --index-dir data/index --out data/sft --checkpoints data/sft_ckpt --live data/sft_live
---metrics data/metrics/sft.json``.
+--world-dir data/world --index-dir data/index --out data/sft --checkpoints .scratch/sft/checkpoints
+--live .scratch/sft/live --plots plots/sft --metrics metrics/sft.json``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
 from mars.data.schemas import QUESTIONS
 from mars.stage import expected_errors, load_section, stage_args, write_metrics
+from mars.train.checkpoint import publish_curves
 from mars.train.cold_start import SFTParams, check_arch, prepare, run_phases
 from mars.world.questions import asked_attributes
 from mars.world.scenes import SceneConfig
@@ -106,6 +109,7 @@ def run(params: Params, agent: AgentParams, inputs: dict[str, Path], outputs: di
         summary, phase_stats = run_phases(params, stack, drawn, scene, system, attributes, outputs["checkpoints"],
                                           outputs["live"])
         save_checkpoint(stack.model, stack.tok, stack.proc, out / "model")
+    publish_curves(outputs["live"], outputs["plots"])
     metrics = {**stats, **{k: v for k, v in summary.items() if k != "history"}, "params": count_params(stack.model),
                "examples": len(stack.examples), **prepared["stats"], **phase_stats}
     log.info("sft: %s", metrics)
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     with expected_errors():
         params, inputs, outputs = stage_args(
             SECTION, Params, argv, inputs=("questions", "image_root", "world_dir", "index_dir"),
-            outputs=("out", "checkpoints", "live", "metrics"),
+            outputs=("out", "checkpoints", "live", "plots", "metrics"),
         )
         agent = load_section("agent", AgentParams, argv)
         from mars.world.scenes import read_scene

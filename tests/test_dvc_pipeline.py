@@ -7,7 +7,7 @@ import re
 import yaml
 
 from pipelines.dvc import ordered, read_dag
-from tests.conftest import REPO, dvc
+from tests.conftest import REPO, dvc, sh
 
 
 def ran(output: str) -> set[str]:
@@ -119,3 +119,28 @@ def test_every_module_a_stage_imports_is_one_of_its_deps():
             if not any(rel == d or rel.startswith(d + "/") for d in deps):
                 missing.append(f"stage {name}: {rel}")
     assert not missing, "dvc.yaml deps miss imported modules (add them to the stage's deps):\n" + "\n".join(missing)
+
+
+def test_metrics_and_plots_live_where_git_tracks_them():
+    """Every metrics and plots path of dvc.yaml is a git-tracked path (not ignored, cache: false), so each
+    experiment's commit carries it and `dvc exp show` / `dvc plots diff` read it; checkpoints, curves in progress and
+    evaluation progress are scratch space, no stage's declared output (no persist: DVC's run-cache restores stages)."""
+    doc = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    paths = [next(iter(m)) if isinstance(m, dict) else m for m in doc.get("metrics") or ()]
+    paths += [next(iter(p)) if isinstance(p, dict) else p for p in doc.get("plots") or ()]
+    for name, stage in doc["stages"].items():
+        for kind in ("metrics", "plots"):
+            paths += [next(iter(m)) if isinstance(m, dict) else m for m in stage.get(kind) or ()]
+        for out in stage.get("outs") or ():
+            path, spec = (next(iter(out.items())) if isinstance(out, dict) else (out, {}))
+            assert not spec.get("persist"), f"stage {name}: {path} is persist: DVC's run-cache would skip the stage"
+            if spec.get("cache") is False:
+                paths.append(path)
+        for m in stage.get("metrics") or ():
+            assert isinstance(m, dict) and next(iter(m.values())).get("cache") is False, (name, m)
+    assert len(paths) >= 12
+    ignored = sh(["git", "check-ignore", "--no-index", *paths], REPO, check=False).stdout.split()
+    assert ignored == [], f"dvc.yaml declares git-ignored metrics or plots: {ignored}"
+    scratch = [a for c in (s["cmd"] for s in doc["stages"].values()) for a in c.split() if a.startswith(".scratch/")]
+    assert len(scratch) == 5
+    assert sh(["git", "check-ignore", "--no-index", *scratch], REPO).stdout.split() == scratch

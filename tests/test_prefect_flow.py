@@ -7,7 +7,7 @@ import sys
 
 import httpx
 
-from tests.conftest import sh
+from tests.conftest import dvc, sh
 
 
 def run_flow(repo, home, api, *args):
@@ -65,17 +65,31 @@ def test_flow_runs_stages_reports_skips_and_overrides(toy_repo, prefect_api):
     assert {t["state"]["name"] for t in tasks.values()} == {"Skipped"}
     assert {t["state"]["type"] for t in tasks.values()} == {"COMPLETED"}
 
-    # an override runs as a temporary DVC experiment: params.yaml stays byte-identical
+    # a run with overrides is one DVC experiment over b, what it needs (a: restored from the run-cache) and what
+    # depends on it (none), in a temporary copy: the workspace's params.yaml and outputs stay byte-identical
     params_before = (toy_repo / "params.yaml").read_bytes()
     b_before = (toy_repo / "out/b.txt").read_bytes()
-    out = run_flow(toy_repo, home, api, "--stages", "b", "--set", "b.n=5").stdout
-    assert "b            ran" in out
+    out = run_flow(toy_repo, home, api, "--stages", "b", "--set", "b.n=5", "--name", "b-five").stdout
+    assert "a            restored" in out and "b            ran" in out and "experiment   b-five" in out
     assert (toy_repo / "params.yaml").read_bytes() == params_before
     assert (toy_repo / "out/b.txt").read_bytes() == b_before
     run = last_flow_run(api)
     assert run["state"]["type"] == "COMPLETED"
     assert run["parameters"]["overrides"] == {"b.n": 5}
+    tasks = task_runs(api, run["id"])
+    assert {n: t["state"]["name"] for n, t in tasks.items() if n in "ab"} == {"a": "Cached", "b": "Completed"}
     metrics = artifacts(api, run["id"])
     assert {"metric": "out/b.json.n", "value": 5} in metrics["b-metrics"]
+    assert {"metric": "out/a.json.n", "value": 2} in metrics["a-metrics"]
     status = sh(["git", "status", "--porcelain"], toy_repo).stdout
     assert "params.yaml" not in status
+    # `dvc exp show` lists the experiment with its metrics (the toy keeps them in git, as dvc.yaml does)
+    shown = json.loads(dvc(["exp", "show", "--json"], toy_repo).stdout)
+    exps = {e["name"]: e["revs"][0]["data"] for row in shown for e in row.get("experiments") or ()}
+    assert exps["b-five"]["metrics"]["out/b.json"]["data"]["n"] == 5
+
+    # an experiment's report is copied out of the DVC cache and linked
+    run_flow(toy_repo, home, api, "--stages", "c", "--set", "c.n=4", "--name", "c-four")
+    metrics = artifacts(api, last_flow_run(api)["id"])
+    report = toy_repo / ".scratch/experiments/c-four/out/c_report/report.html"
+    assert report.read_text() == "<html>report</html>" and report.as_uri() in metrics["c-report"]

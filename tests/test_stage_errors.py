@@ -109,7 +109,8 @@ def test_evaluate_with_a_malformed_benchmark_lists_its_problems_then_one_error_l
     proc, lines = stage(tmp_path, "evaluate", "--params", params, "--questions", str(synth / "questions.parquet"),
                         "--image-root", str(synth), "--world-dir", str(tmp_path / "world"),
                         "--index-dir", str(tmp_path / "index"), "--out", str(tmp_path / "evaluate"),
-                        "--progress", str(tmp_path / "progress"), "--metrics", str(tmp_path / "evaluate.json"))
+                        "--progress", str(tmp_path / "progress"), "--plots", str(tmp_path / "plots"),
+                        "--metrics", str(tmp_path / "evaluate.json"))
     last = assert_one_line_error(proc, lines, str(bench), "2 problem(s)", "the 2 lines above")
     assert "record 0 (id '1'): field 'answer'" in lines[-3] and "record 1 (id '2'): field 'image'" in lines[-2], last
     assert not (tmp_path / "evaluate").exists()

@@ -10,7 +10,9 @@ What it does
     their fingerprints, so a code change (a reward, a loss, a judge) never resumes state made by the old code.
     :func:`rng_state` / :func:`set_rng_state` capture Python's, NumPy's and torch's generators.
     :func:`truncate_live` drops dvclive rows logged after the resumed step, so a curve from a killed and resumed
-    run is identical to an uninterrupted one.
+    run is identical to an uninterrupted one. The stages keep checkpoints and the live curve in scratch space that
+    DVC does not track (so its run-cache can restore them) and, at the end, :func:`publish_curves` copies the
+    finished curve to the git-tracked path that ``dvc plots`` reads.
     :class:`Checkpointer` is the one resume loop every trainer uses (sft, vision, rl): it restores the named parts
     of a run (modules and optimisers through ``load_state_dict``, samplers through ``load``) and the RNG states
     from the newest matching checkpoint, and saves them every ``every`` steps and at the last.
@@ -36,7 +38,7 @@ import torch
 from mars.data.io import atomic_dir
 
 __all__ = ["fingerprint", "source_digest", "save_state", "latest_state", "rng_state", "set_rng_state",
-           "truncate_live", "open_live", "Checkpointer"]
+           "truncate_live", "open_live", "publish_curves", "Checkpointer"]
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d{6,})$")
 _FP_FILE = "fingerprint.txt"
@@ -170,6 +172,15 @@ def open_live(live_dir: str | Path | None, start: int):
     live = Live(dir=str(live_dir), resume=bool(start), report=None, save_dvc_exp=False, dvcyaml=False)
     live.step = start
     return live
+
+
+def publish_curves(live_dir: str | Path, dest: str | Path) -> None:
+    """Replace ``dest`` (atomically) by the curves of the dvclive run in ``live_dir``: its ``plots/metrics`` tree
+    (``<dest>/<group>/<metric>.tsv``, the step in the first column); an empty ``dest`` when it logged none."""
+    src = Path(live_dir) / "plots" / "metrics"
+    with atomic_dir(dest) as tmp:
+        if src.is_dir():
+            shutil.copytree(src, tmp, dirs_exist_ok=True)
 
 
 class Checkpointer:

@@ -296,5 +296,5 @@ def test_stage_commands_are_dvc_yamls(reference):
     """The commands above are dvc.yaml's, writing under data/ of the project folder (what the sweep relies on)."""
     for stage in KILL_POINTS:
         assert stage_path(stage, "--out") == Path("data") / stage
-        assert stage_path(stage, "--metrics") == Path("data/metrics") / f"{stage}.json"
-        assert (reference / "data" / stage).is_dir() and os.path.isfile(reference / "data/metrics" / f"{stage}.json")
+        assert stage_path(stage, "--metrics") == Path("metrics") / f"{stage}.json"
+        assert (reference / "data" / stage).is_dir() and os.path.isfile(reference / "metrics" / f"{stage}.json")

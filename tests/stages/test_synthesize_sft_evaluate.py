@@ -85,12 +85,14 @@ def built(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(built):
-    """``built`` plus the sft stage on the smoke profile (``tmp/sft``, ``tmp/sft_ckpt``, ``tmp/sft_live``)."""
+    """``built`` plus the sft stage on the smoke profile (``tmp/sft``, ``tmp/sft_ckpt``, ``tmp/sft_live``,
+    ``tmp/sft_plots``)."""
     b = built
     b.fp = load_params("sft", sft.Params, b.params)
     t0 = time.perf_counter()
     b.sft_m = sft.run(b.fp, b.agent, b.sft_in, {"out": b.tmp / "sft", "checkpoints": b.tmp / "sft_ckpt",
-                                                "live": b.tmp / "sft_live", "metrics": b.tmp / "sft.json"})
+                                                "live": b.tmp / "sft_live", "plots": b.tmp / "sft_plots",
+                                                "metrics": b.tmp / "sft.json"})
     b.sft_s = time.perf_counter() - t0
     return b
 
@@ -271,7 +273,7 @@ def _sft_cmd(b, params: Path, root: Path) -> list[str]:
             *stage_argv(("questions", b.sft_in["questions"]), ("image-root", b.sft_in["image_root"]),
                         ("world-dir", b.sft_in["world_dir"]), ("index-dir", b.sft_in["index_dir"]),
                         ("out", root / "out"), ("checkpoints", root / "ckpt"), ("live", root / "live"),
-                        ("metrics", root / "m.json"))]
+                        ("plots", root / "plots"), ("metrics", root / "m.json"))]
 
 
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
@@ -290,7 +292,7 @@ def test_sft_localisation_drills_need_the_world_scene_knobs(built, tmp_path):
     p = write_params(tmp_path, "loc", profile={"sft": {"pretrain_steps": 2, "pretrain_locate": 2}})
     params = load_params("sft", sft.Params, p)
     outs = {"out": tmp_path / "out", "checkpoints": tmp_path / "ckpt", "live": tmp_path / "live",
-            "metrics": tmp_path / "m.json"}
+            "plots": tmp_path / "plots", "metrics": tmp_path / "m.json"}
     with pytest.raises(ValueError, match="scene knobs"):
         sft.run(params, b.agent, b.sft_in, outs)  # no scene: nothing is trained or written
     assert not (tmp_path / "out").exists() and not (tmp_path / "m.json").exists()
@@ -345,7 +347,7 @@ def test_sft_teacher_error_ends_the_drill_drawing_and_writes_nothing(built, tmp_
         "teacher": "openai", "teacher_base_url": f"http://127.0.0.1:{port}/v1", "teacher_model": "none",
         "pretrain_steps": 2, "pretrain_drills": 4000}}))
     outs = {"out": tmp_path / "out", "checkpoints": tmp_path / "ckpt", "live": tmp_path / "live",
-            "metrics": tmp_path / "m.json"}
+            "plots": tmp_path / "plots", "metrics": tmp_path / "m.json"}
     with pytest.raises(RuntimeError, match="the teacher solved none of"):
         sft.run(params, built.agent, built.sft_in, outs)
     assert mp.active_children() == []
@@ -453,7 +455,8 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     fp = load_params("sft", sft.Params, params)
     scene = world.world_spec(load_params("world", world.Params, params)).scene_config()  # as the CLI reads it
     straight_m = sft.run(fp, b.agent, b.sft_in, {"out": tmp_path / "ref/out", "checkpoints": tmp_path / "ref/ckpt",
-                                                 "live": tmp_path / "ref/live", "metrics": tmp_path / "ref/m.json"},
+                                                 "live": tmp_path / "ref/live", "plots": tmp_path / "ref/plots",
+                                                 "metrics": tmp_path / "ref/m.json"},
                          scene=scene)
     root = tmp_path / "killed"
     cmd = _sft_cmd(b, params, root)
@@ -517,6 +520,8 @@ def test_sft_kill_and_resume_reproduces_the_curve(built, tmp_path):
     assert steps == list(range(fp.max_steps))  # one row per step, none repeated after the resume
     losses = [float(r[head.index("loss")]) for r in body]
     assert max(abs(x - y) for x, (_, y) in zip(losses, straight)) <= 1e-5
+    # the whole curve, resumed in the scratch space, is what the stage published for `dvc plots`
+    assert (root / "plots/train/loss.tsv").read_text() == (root / "live/plots/metrics/train/loss.tsv").read_text()
 
 
 def _states(ckpt: Path) -> dict[str, int]:
@@ -539,7 +544,7 @@ def test_sft_later_phase_knobs_keep_the_earlier_phases(built, tmp_path):
              "vision_locate_steps": 4, "vision_test_images": 24, "locate_frame_steps": 4, "locate_frame_captions": 1}
     scene = world.world_spec(load_params("world", world.Params, b.params)).scene_config()
     out = {"out": tmp_path / "out", "checkpoints": tmp_path / "ckpt", "live": tmp_path / "live",
-           "metrics": tmp_path / "m.json"}
+           "plots": tmp_path / "plots", "metrics": tmp_path / "m.json"}
 
     def run(name: str, **change):
         fp = load_params("sft", sft.Params, write_params(tmp_path, name, profile={"sft": {**short, **change}}))
@@ -646,7 +651,7 @@ def test_checkpoint_reloads_with_plain_transformers(trained):
 def _eval_io(b, root: Path) -> tuple[dict, dict]:
     ins = {"questions": b.tmp / "synth/questions.parquet", "image_root": b.tmp / "synth", "world_dir": b.tmp / "world",
            "index_dir": b.tmp / "index", "sft": b.tmp / "sft"}
-    return ins, {"out": root / "out", "progress": root / "progress", "metrics": root / "m.json"}
+    return ins, {"out": root / "out", "progress": root / "progress", "plots": root / "plots", "metrics": root / "m.json"}
 
 
 def test_evaluate_smoke(trained, tmp_path):
@@ -705,7 +710,7 @@ def test_evaluate_smoke(trained, tmp_path):
                == (model, workflow, verdict) for model, workflow, verdict, sid in cards)
     assert {f"{model}/{workflow}" for model, workflow, _, _ in cards} == set(ep.runs)
     for name in ("accuracy", "tool_calls"):
-        lines = (tmp_path / f"out/plots/{name}.csv").read_text().splitlines()
+        lines = (tmp_path / f"plots/{name}.csv").read_text().splitlines()
         assert len(lines) > 4 and "model" in lines[0]
 
 

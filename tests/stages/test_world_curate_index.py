@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +13,9 @@ import yaml
 from PIL import Image, ImageOps
 
 from mars.params import load_params
-from mars.stage import write_metrics
 from mars.world.planted import PLANTED_CASES
-from pipelines.rl_study import aggregate
 from stages import curate, index, world
-from tests.conftest import REPO, dvc, sh
+from tests.conftest import REPO
 
 
 def smoke_params(tmp: Path, section: str, cls, **override):
@@ -218,49 +214,6 @@ def test_folder_source_runs_curation_on_real_photos(tmp_path):
     assert m["raw"] == 6 and m["curated"] == 4
     assert m["reasons"] == {"low_resolution": 1, "not_an_image": 1}
     assert "planted_recall" not in m
-
-
-def test_dvc_repro_smoke_then_noop(clean_copy):
-    params = yaml.safe_load((clean_copy / "params.yaml").read_text())
-    params["base"]["profile"] = "smoke"
-    # this test is about the DVC wiring, not what SFT learns (the smoke sft fixture of
-    # tests/stages/test_synthesize_sft_evaluate.py checks that): shorter sft and rl runs than the smoke profile's
-    params["profiles"]["smoke"]["sft"] |= {"pretrain_steps": 10, "pretrain_drills": 40, "max_steps": 20,
-                                           "checkpoint_every": 10}
-    params["profiles"]["smoke"]["rl"] |= {"steps": 2, "checkpoint_every": 1}
-    (clean_copy / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    out = dvc(["repro"], clean_copy).stdout  # the whole pipeline, world to evaluate, on the smoke profile
-    stages = set(yaml.safe_load((clean_copy / "dvc.yaml").read_text())["stages"])
-    assert stages == {"world", "curate", "index", "synthesize", "sft", "rl", "evaluate"}
-    assert set(re.findall(r"Running stage '([^']+)'", out)) == stages
-    assert re.findall(r"Running stage '([^']+)'", dvc(["repro"], clean_copy).stdout) == []
-    shown = json.loads(dvc(["metrics", "show", "--json"], clean_copy).stdout)
-    metrics = next(iter(shown.values()))["data"]  # the workspace entry
-    assert metrics["data/metrics/index.json"]["data"]["text_recall_at_5"] >= 0.95
-    assert metrics["data/metrics/curate.json"]["data"]["planted_recall"] == 1.0
-    evaluated = metrics["data/metrics/evaluate.json"]["data"]["test"]
-    assert evaluated["oracle/agentic"]["accuracy"] >= 0.95
-    assert evaluated["oracle/agentic"]["first_zoom_framed"] == 1.0  # localisation: the oracle's zoom is the frame
-    # the rl stage ran its two steps from scratch, kept rl.samples_per_step rollouts a step, and its model was
-    # evaluated on every test question, as the sft model was
-    rl_m = metrics["data/metrics/rl.json"]["data"]
-    assert (rl_m["steps"], rl_m["resumed_from"], rl_m["algorithm"]) == (2, 0, params["rl"]["algorithm"])
-    assert [h["step"] for h in json.loads((clean_copy / "data/rl/monitors.json").read_text())] == [0, 1]
-    kept = pq.read_table(clean_copy / "data/rl/rollouts.parquet").column("episode_id").to_pylist()
-    assert sorted(e.rsplit("@", 1)[1] for e in kept) == sorted(["0", "1"] * params["rl"]["samples_per_step"])
-    assert evaluated["rl/agentic"]["n"] == evaluated["sft/agentic"]["n"] == evaluated["oracle/agentic"]["n"] > 0
-    assert 'data-model="rl"' in (clean_copy / "data/evaluate/report.html").read_text(encoding="utf-8")
-    # dvc.yaml's top-level metrics: the RL study's summary (written outside dvc repro) is listed once it exists
-    assert "error" in metrics["data/experiments/summary.json"]
-    runs = {"bn_gspo-s0": {"algorithm": "bn_gspo", "accuracy": 0.3, "by_type": {}, "reward_first": 0.1,
-                           "reward_last": 0.2}}
-    write_metrics(clean_copy / "data/experiments/summary.json", {"runs": runs} | aggregate(runs, 0.25))
-    shown = json.loads(dvc(["metrics", "show", "--json"], clean_copy).stdout)
-    study = next(iter(shown.values()))["data"]["data/experiments/summary.json"]["data"]
-    assert study["bn_gspo"]["mean"] == 0.3 and study["bn_gspo"]["delta_vs_sft"] == 0.05
-    assert (clean_copy / "data/evaluate/report.html").is_file() and (clean_copy / "data/sft/model/config.json").is_file()
-    check = sh([sys.executable, "-m", "mars.cli", "params", "check"], clean_copy)
-    assert "profile smoke" in check.stdout
 
 
 def test_urls_source_downloads_into_the_raw_pool(tmp_path):

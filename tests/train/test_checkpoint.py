@@ -106,3 +106,29 @@ def test_checkpointer_saves_when_due_and_resumes_every_part(tmp_path: Path) -> N
     assert torch.equal(fresh.weight, weights) and fresh_sampler.state() == position == {"epoch": 1, "offset": 5}
     assert torch.equal(torch.rand(3), draw)  # the generators are where they were when step 5 was saved
     assert Checkpointer(tmp_path, "fp-b", {"model": fresh}, every=2, last=5).resume() == (0, {})
+
+
+def test_publish_curves_copies_a_resumed_curve_whole_and_replaces_the_last_one(tmp_path):
+    """A run logs steps 0..2, is killed, resumes at step 2 (the row of step 2 is logged again) and ends at step 3:
+    the published curve is dvclive's plots/metrics tree, rows 0..3 once each; publishing again replaces it."""
+    from mars.train.checkpoint import open_live, publish_curves
+
+    live = open_live(tmp_path / "live", 0)
+    for step in range(3):
+        live.log_metric("train/loss", 1.0 / (step + 1))
+        live.next_step()
+    live = open_live(tmp_path / "live", 2)  # the resume: the checkpoint held steps 0..1
+    for step in (2, 3):
+        live.log_metric("train/loss", 1.0 / (step + 1))
+        live.next_step()
+    live.end()
+    dest = tmp_path / "plots/sft"
+    dest.mkdir(parents=True)
+    (dest / "stale.tsv").write_text("from an earlier run\n")
+    publish_curves(tmp_path / "live", dest)
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()) == ["train/loss.tsv"]
+    head, *rows = [ln.split("\t") for ln in (dest / "train/loss.tsv").read_text().splitlines()]
+    assert head == ["step", "loss"]
+    assert [(int(s), float(x)) for s, x in rows] == [(0, 1.0), (1, 0.5), (2, 1 / 3), (3, 0.25)]
+    publish_curves(tmp_path / "nothing", dest)  # a run that logged no curve publishes an empty one
+    assert list(dest.iterdir()) == []

@@ -32,7 +32,7 @@ repro: $(STAMP)
 	$(BIN)/dvc repro
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -c requirements.lock -e '.[bench]'  # TRL for bench_rl's side-by-side

@@ -85,11 +85,6 @@ def test_flow_runs_stages_reports_skips_and_overrides(toy_repo, prefect_api):
     assert "params.yaml" not in status
     # `dvc exp show` lists the experiment with its metrics (the toy keeps them in git, as dvc.yaml does)
     shown = json.loads(dvc(["exp", "show", "--json"], toy_repo).stdout)
-    exps = {e["name"]: e["revs"][0]["data"] for row in shown for e in row.get("experiments") or ()}
+    exps = {e["name"]: rev["data"] for row in shown for e in row.get("experiments") or () for rev in e["revs"]
+            if rev.get("data")}
     assert exps["b-five"]["metrics"]["out/b.json"]["data"]["n"] == 5
-
-    # an experiment's report is copied out of the DVC cache and linked
-    run_flow(toy_repo, home, api, "--stages", "c", "--set", "c.n=4", "--name", "c-four")
-    metrics = artifacts(api, last_flow_run(api)["id"])
-    report = toy_repo / ".scratch/experiments/c-four/out/c_report/report.html"
-    assert report.read_text() == "<html>report</html>" and report.as_uri() in metrics["c-report"]

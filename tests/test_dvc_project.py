@@ -96,19 +96,19 @@ def test_dvc_repro_smoke_then_noop_then_rl_experiments(clean_copy, prefect_api):
     assert ran(out) == {"rl", "evaluate"} and restored(out) == STAGES - {"rl", "evaluate"}, out
     # the Prefect flow's override run of rl: the second experiment, rl and what depends on it
     home, api = prefect_api
-    out = run_flow(repo, home, api, "--stages", "rl", "--set", "profiles.smoke.rl.steps=4", "--name", "rl-flow")
+    out = run_flow(repo, home, api, "--stages", "rl", "--set", "profiles.smoke.rl.steps=3", "--name", "rl-flow")
     assert re.search(r"^sft +(restored|unchanged)$", out.stdout, re.M) and "rl           ran" in out.stdout
     assert "evaluate     ran" in out.stdout and "experiment   rl-flow" in out.stdout
     run = last_flow_run(api)
     assert {n: t["state"]["name"] for n, t in task_runs(api, run["id"]).items() if n in STAGES} == {
         **{s: "Cached" for s in STAGES - {"rl", "evaluate"}}, "rl": "Completed", "evaluate": "Completed"}
     published = artifacts(api, run["id"])
-    assert {"metric": "metrics/rl.json.steps", "value": 4} in published["rl-metrics"]
+    assert {"metric": "metrics/rl.json.steps", "value": 3} in published["rl-metrics"]
     assert any(r["metric"] == "metrics/evaluate.json.test.rl/agentic.accuracy" for r in published["evaluate-metrics"])
     assert (repo / ".scratch/experiments/rl-flow/data/evaluate/report.html").is_file()
     # `dvc exp show` holds both experiments' rl and evaluate metrics side by side
     exps = experiments(repo)
-    assert {n: e["metrics/rl.json"]["steps"] for n, e in exps.items()} == {"rl-steps-1": 1, "rl-flow": 4}
+    assert {n: e["metrics/rl.json"]["steps"] for n, e in exps.items()} == {"rl-steps-1": 1, "rl-flow": 3}
     for e in exps.values():
         assert {"sft/agentic", "rl/agentic"} <= set(e["metrics/evaluate.json"]["test"])
         assert e["metrics/evaluate.json"]["test"]["sft/agentic"] == evaluated["sft/agentic"]  # sft restored, not rerun

@@ -719,7 +719,7 @@ _SCORED = re.compile(r"(\S+/\S+) on test: (\d+) samples scored now, (\d+) reused
 
 def test_evaluate_kill_and_resume_scores_each_sample_once(trained, tmp_path):
     b = trained
-    runs = ["sft/agentic", "base/agentic"]
+    runs = ["sft/agentic", "oracle/agentic"]  # a model, then a scripted player (the untrained model is slow to score)
     p = write_params(tmp_path, "eval", sections={"evaluate": {"runs": runs}}, profile={"evaluate": {"chunk_size": 2}})
     ins, outs = _eval_io(b, tmp_path)
     cmd = [sys.executable, "-m", "stages.evaluate", "--params", str(p),

@@ -4,7 +4,8 @@ What it measures
     The localisation block of the sft stage (``sft.locate_steps``) has to teach the tiny model to zoom on the red
     frame's cell; whether it did varies between runs (docs/findings.md: 30-79 of 80 test scenes framed with the
     same block). This probe scores any checkpoint directory, and optionally the training states the sft stage leaves
-    (``.scratch/sft/checkpoints/locate/step-*/state.pt`` after the block, ``.scratch/sft/checkpoints/step-*/state.pt`` in phase 2),
+    (``.scratch/sft/checkpoints/locate/step-*/state.pt`` after the block,
+    ``.scratch/sft/checkpoints/step-*/state.pt`` in phase 2),
     on ``--n`` held-out localisation drills (:func:`mars.train.locate.locate_dialogues` with another seed than
     training: new scenes with the world's grid, frame and clutter, the episodes' system prompt): greedy first turn,
     the zoom's cell (:func:`mars.train.locate.zoom_cell`) against the teacher's. Baselines in the same table:
@@ -22,7 +23,8 @@ was 75 of 80.
 Run (in a pipeline's working directory, after ``dvc repro`` reached sft)::
 
     python probes/probe_block.py --model data/sft/model \\
-        --state .scratch/sft/checkpoints/locate/step-000600/state.pt --state .scratch/sft/checkpoints/step-000350/state.pt
+        --state .scratch/sft/checkpoints/locate/step-000600/state.pt \\
+        --state .scratch/sft/checkpoints/step-000350/state.pt
     python probes/probe_block.py --model data/sft/model --read --attributes colour
 """
 

@@ -5,10 +5,10 @@ What it measures
     model's loss, and whether its random-init tower found the red frame that way varied between runs (docs/findings.md).
     Phase 0's localisation half (``sft.vision_locate_steps``; :func:`mars.train.cold_start.vision_locate`) teaches the
     tower the framed cell directly before the block. This probe replays the block from a pipeline's phase-1 state
-    (``.scratch/sft/checkpoints/pretrain/step-*/state.pt``: the language model after the text-only pre-training phase, which never
-    touches the vision tower) with the untrained tower of ``data/sft/base``, twice per block seed: as it is (the
-    baseline) and after ``--tower-steps`` steps of phase-0 localisation. The block is the stage's: its drills, its
-    ``locate_mix`` share of phase 1's examples, its rates and schedule (``--block-steps``, default
+    (``.scratch/sft/checkpoints/pretrain/step-*/state.pt``: the language model after the text-only pre-training
+    phase, which never touches the vision tower) with the untrained tower of ``data/sft/base``, twice per block seed:
+    as it is (the baseline) and after ``--tower-steps`` steps of phase-0 localisation. The block is the stage's: its
+    drills, its ``locate_mix`` share of phase 1's examples, its rates and schedule (``--block-steps``, default
     ``sft.locate_steps``). Every ``--every`` block steps the model is scored on held-out localisation drills
     (:func:`mars.train.locate.framed_count`: new scenes, greedy first turn, the zoom's cell against the teacher's).
 
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     state = Path(ns.state) if ns.state else newest_state(Path(".scratch/sft/checkpoints/pretrain"))
     for path in (ns.base, state, ns.questions, ns.world_dir, ns.index_dir):
         if path is None or not Path(path).exists():
-            ap.error(f"{path or '.scratch/sft/checkpoints/pretrain/step-*'}: not found (run `dvc repro` up to the sft stage "
-                     "with sft.pretrain_steps > 0, or pass existing paths)")
+            ap.error(f"{path or '.scratch/sft/checkpoints/pretrain/step-*'}: not found (run `dvc repro` up to the "
+                     "sft stage with sft.pretrain_steps > 0, or pass existing paths)")
     if ns.tower_steps < 1 or ns.every < 1 or ns.n < 1 or ns.block_steps < 0:
         ap.error("need --tower-steps, --every and --n >= 1 and --block-steps >= 0")
     argv_p = ["--params", ns.params]

@@ -29,10 +29,11 @@ def restored(output: str) -> set[str]:
 
 
 def experiments(repo) -> dict[str, dict]:
-    """`dvc exp show --json`: experiment name -> its metrics, by file (an entry without data, such as the record of
-    a temporary run DVC has not tidied yet, is passed over)."""
+    """`dvc exp show --json`: experiment name -> its metrics, by file (a metrics file the experiment lacks, such as
+    the RL study's summary, and an entry without data, such as the record of a temporary run DVC has not tidied yet,
+    are passed over)."""
     shown = json.loads(dvc(["exp", "show", "--json"], repo).stdout)
-    return {e["name"]: {f: m["data"] for f, m in rev["data"]["metrics"].items()}
+    return {e["name"]: {f: m["data"] for f, m in rev["data"]["metrics"].items() if "data" in m}
             for row in shown for e in row.get("experiments") or () for rev in e["revs"] if rev.get("data")}
 
 
@@ -112,5 +113,10 @@ def test_dvc_repro_smoke_then_noop_then_rl_experiments(clean_copy, prefect_api):
     for e in exps.values():
         assert {"sft/agentic", "rl/agentic"} <= set(e["metrics/evaluate.json"]["test"])
         assert e["metrics/evaluate.json"]["test"]["sft/agentic"] == evaluated["sft/agentic"]  # sft restored, not rerun
+    # `dvc plots diff` draws both experiments' reward curves: one step, then three
+    plotted = json.loads(dvc(["plots", "diff", "rl-steps-1", "rl-flow", "--json"], repo).stdout)["data"]
+    reward = plotted["plots/rl/rl/reward.tsv"][0]["content"]["data"]["values"]
+    assert sorted({(v["rev"], int(v["step"])) for v in reward}) == [("rl-flow", 0), ("rl-flow", 1), ("rl-flow", 2),
+                                                                   ("rl-steps-1", 0)]
     # the workspace is where it was: params.yaml and the results unchanged, nothing to commit
     assert sh(["git", "status", "--porcelain"], repo).stdout.strip() == ""

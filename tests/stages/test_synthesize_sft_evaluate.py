@@ -651,7 +651,8 @@ def test_checkpoint_reloads_with_plain_transformers(trained):
 def _eval_io(b, root: Path) -> tuple[dict, dict]:
     ins = {"questions": b.tmp / "synth/questions.parquet", "image_root": b.tmp / "synth", "world_dir": b.tmp / "world",
            "index_dir": b.tmp / "index", "sft": b.tmp / "sft"}
-    return ins, {"out": root / "out", "progress": root / "progress", "plots": root / "plots", "metrics": root / "m.json"}
+    return ins, {"out": root / "out", "progress": root / "progress", "plots": root / "plots",
+                 "metrics": root / "m.json"}
 
 
 def test_evaluate_smoke(trained, tmp_path):

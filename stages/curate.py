@@ -21,7 +21,7 @@ Deviation from the paper: the paper curates real 4K photos by hand-tuned filters
 know; ours are documented in :mod:`mars.curate.probe` and tuned on the generated traps.
 
 Run: ``python -m stages.curate --raw-images data/world/raw_images.parquet --raw-dir
-data/world/raw --out data/curate --metrics data/metrics/curate.json``.
+data/world/raw --out data/curate --metrics metrics/curate.json``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ world (docs/design.md, The embedded default world), with tantivy or a web API as
 
 Run: ``python -m stages.index --entities data/world/entities.parquet --corpus data/world/corpus.parquet --gallery
 data/world/gallery.parquet --gallery-dir data/world/gallery --out data/index
---metrics data/metrics/index.json``.
+--metrics metrics/index.json``.
 """
 
 from __future__ import annotations

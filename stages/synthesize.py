@@ -26,7 +26,7 @@ Deviation: the paper's questions come from a model plus human checks over real p
 templated over the generated world, whose ground truth the teacher and the judge use.
 
 Run: ``python -m stages.synthesize --world-dir data/world --curated data/curate/curated.parquet
---index-dir data/index --out data/synthesize --metrics data/metrics/synthesize.json``.
+--index-dir data/index --out data/synthesize --metrics metrics/synthesize.json``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ live web; ours are generated so every step's ground truth is known (docs/design.
 embedded default world). ``folder`` / ``urls`` paths are params (user-provided data), not
 dvc.yaml deps: rerun with ``dvc repro -f world`` after changing the folder's contents.
 
-Run: ``python -m stages.world --out data/world --metrics data/metrics/world.json``.
+Run: ``python -m stages.world --out data/world --metrics metrics/world.json``.
 """
 
 from __future__ import annotations

@@ -14,9 +14,12 @@ What it does
     unusable replies are written to ``rejects.jsonl`` with their reasons (:mod:`mars.synth.llm`). Splits are
     assigned by image with the same fractions.
 
-    Difficulty mining (optional, ``mine_checkpoint`` set): the policy in that checkpoint plays each question of the
-    ``mine_splits`` ``mine_k`` times; only questions solved between ``mine_min_pass`` and ``mine_max_pass`` times
-    are kept (the paper keeps those solved at most once in 8 for SFT).
+    Difficulty mining (optional, ``mine_checkpoint`` or ``mine_base_url`` set): the policy in that checkpoint (or
+    served at that endpoint as ``mine_model``) plays each question of the ``mine_splits`` ``mine_k`` times
+    (:mod:`mars.synth.mining`: bounded memory, a progress bar, counts saved under ``--scratch`` as they come, so a
+    killed run resumes); only questions solved between ``mine_min_pass`` and ``mine_max_pass`` times are kept (the
+    paper keeps those solved at most once in 8 for SFT). The counts go to ``pass_counts.parquet``, their
+    histogram per split and type and the kept and dropped counts to the metrics (``mining``).
 
 Outputs (``--out``): ``questions.parquet`` (QUESTIONS schema, quality-checked), ``images/`` (scene files linked
 from the raw pool, search images rendered), image paths relative to ``--out``; metrics: counts per split and
@@ -26,7 +29,7 @@ Deviation: the paper's questions come from a model plus human checks over real p
 templated over the generated world, whose ground truth the teacher and the judge use.
 
 Run: ``python -m stages.synthesize --world-dir data/world --curated data/curate/curated.parquet
---index-dir data/index --out data/synthesize --metrics metrics/synthesize.json``.
+--index-dir data/index --out data/synthesize --scratch .scratch/synthesize --metrics metrics/synthesize.json``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import pyarrow as pa
 
 from mars.data.io import atomic_dir, read_table
 from mars.data.quality import write_artifacts
-from mars.data.schemas import CURATED, QUESTIONS
+from mars.data.schemas import CURATED, PASS_COUNTS, QUESTIONS
 from mars.agent.config import AgentParams
 from mars.stage import expected_errors, load_section, stage_args, write_metrics
 from mars.synth.splits import SPLITS, plan_splits, split_report
@@ -71,7 +74,9 @@ class Params:
     llm_api_key_env: str = "OPENAI_API_KEY"
     llm_captions: str = ""
     llm_concurrency: int = 4
-    mine_checkpoint: str = ""  # "" = no difficulty mining
+    mine_checkpoint: str = ""  # a policy checkpoint directory; "" and no mine_base_url = no difficulty mining
+    mine_base_url: str = ""  # or an OpenAI-compatible endpoint serving the policy (vLLM, mars serve)
+    mine_model: str = ""
     mine_k: int = 8
     mine_min_pass: int = 0
     mine_max_pass: int = 1
@@ -102,6 +107,13 @@ class Params:
             raise ValueError(f"synthesize.unseen_entity_share must be in [0, 1), got {self.unseen_entity_share}")
         if self.source == "llm" and not (self.llm_base_url and self.llm_model and self.llm_captions):
             raise ValueError("synthesize.source=llm needs llm_base_url, llm_model and llm_captions")
+        if self.mine_base_url and not self.mine_model:
+            raise ValueError("synthesize.mine_base_url is set but synthesize.mine_model is empty: name the served "
+                             "model")
+
+    @property
+    def mining(self) -> bool:
+        return bool(self.mine_checkpoint or self.mine_base_url)
 
     @property
     def fractions(self) -> tuple[float, float, float]:
@@ -169,23 +181,22 @@ def llm_questions(params: Params, world_dir: Path, curated: pa.Table, out: Path)
     return rows, rejects
 
 
-def mine(params: Params, agent: AgentParams, rows: list[dict], out: Path, index_dir: Path,
-         world_dir: Path) -> tuple[list[dict], dict]:
-    """Difficulty mining with the checkpoint in ``mine_checkpoint`` (see the module docstring), under the shared
-    ``agent`` configuration the policy was trained with."""
-    from mars.agent.hf_backend import HFBackend
-    from mars.model.build import load_checkpoint
-    from mars.synth.mining import keep_band, pass_rates
+def mine(params: Params, agent: AgentParams, rows: list[dict], out: Path, index_dir: Path, world_dir: Path,
+         scratch: Path) -> tuple[list[dict], list[dict], dict]:
+    """Difficulty mining (see the module docstring): the kept rows, the pass counts and their metrics."""
+    from mars.synth.mining import band_metrics, keep_band
+    from mars.synth.mining import mine as mine_counts
+    from stages import code_digest
 
-    model, _, processor = load_checkpoint(params.mine_checkpoint)
-    agent.check_processor(processor, params.mine_checkpoint)
-    toolbox = agent.toolbox(index_dir, world_dir / "gallery")
-    cfg = agent.engine(temperature=params.mine_temperature)
     target = [r for r in rows if r["split"] in params.mine_splits]
-    passes = pass_rates(target, HFBackend(model, processor), toolbox, cfg, k=params.mine_k, seed=params.seed,
-                        image_root=out)
+    counts = mine_counts(target, agent, checkpoint=params.mine_checkpoint, base_url=params.mine_base_url,
+                         model=params.mine_model, k=params.mine_k, temperature=params.mine_temperature,
+                         seed=params.seed, image_root=out, index_dir=index_dir, gallery_dir=world_dir / "gallery",
+                         scratch=scratch / "mining", label="synthesize.mine_checkpoint", key_parts=[code_digest()])
+    passes = {c["question_id"]: c["passes"] for c in counts}
     kept = keep_band(rows, passes, params.mine_min_pass, params.mine_max_pass)
-    return kept, {"mined": len(target), "mined_kept": sum(r["question_id"] in passes for r in kept)}
+    return kept, counts, {"mined": len(target), "mined_kept": sum(r["question_id"] in passes for r in kept),
+                          "mining": band_metrics(counts, params.mine_k, params.mine_min_pass, params.mine_max_pass)}
 
 
 def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path], agent: AgentParams | None = None) -> dict:
@@ -197,12 +208,16 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path], agent
             rows, rejects = world_questions(params, world_dir, curated, out), []
         else:
             rows, rejects = llm_questions(params, world_dir, curated, out)
-        if params.mine_checkpoint:
-            rows, extra_metrics = mine(params, agent or AgentParams(), rows, out, inputs["index_dir"], world_dir)
+        counts: list[dict] = []
+        if params.mining:
+            rows, counts, extra_metrics = mine(params, agent or AgentParams(), rows, out, inputs["index_dir"],
+                                               world_dir, outputs["scratch"])
         report = split_report(rows)
         if report["scene_overlap"]:
             raise RuntimeError(f"splits share scenes {report['scene_overlap'][:5]}: a bug in the split plan")
         tables = {out / "questions.parquet": (pa.Table.from_pylist(rows, schema=QUESTIONS), "questions")}
+        if counts:
+            tables[out / "pass_counts.parquet"] = (pa.Table.from_pylist(counts, schema=PASS_COUNTS), "pass_counts")
         write_artifacts(tables)
         if rejects:
             (out / "rejects.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rejects))
@@ -222,7 +237,7 @@ def run(params: Params, inputs: dict[str, Path], outputs: dict[str, Path], agent
 def main(argv: list[str] | None = None) -> int:
     with expected_errors():
         params, inputs, outputs = stage_args(
-            SECTION, Params, argv, inputs=("world_dir", "curated", "index_dir"), outputs=("out", "metrics"),
+            SECTION, Params, argv, inputs=("world_dir", "curated", "index_dir"), outputs=("out", "scratch", "metrics"),
         )
         run(params, inputs, outputs, load_section("agent", AgentParams, argv))
     return 0

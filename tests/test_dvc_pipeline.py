@@ -142,5 +142,5 @@ def test_metrics_and_plots_live_where_git_tracks_them():
     ignored = sh(["git", "check-ignore", "--no-index", *paths], REPO, check=False).stdout.split()
     assert ignored == [], f"dvc.yaml declares git-ignored metrics or plots: {ignored}"
     scratch = [a for c in (s["cmd"] for s in doc["stages"].values()) for a in c.split() if a.startswith(".scratch/")]
-    assert len(scratch) == 5
+    assert len(scratch) == 7  # synthesize and mine (mining counts), sft and rl (checkpoints, live), evaluate
     assert sh(["git", "check-ignore", "--no-index", *scratch], REPO).stdout.split() == scratch

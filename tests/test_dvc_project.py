@@ -16,7 +16,7 @@ from pipelines.rl_study import aggregate
 from tests.conftest import dvc, sh
 from tests.test_prefect_flow import artifacts, last_flow_run, run_flow, task_runs
 
-STAGES = {"world", "curate", "index", "synthesize", "sft", "rl", "evaluate"}
+STAGES = {"world", "curate", "index", "synthesize", "sft", "mine", "rl", "evaluate"}
 
 
 def ran(output: str) -> set[str]:

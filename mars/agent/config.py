@@ -34,6 +34,7 @@ class AgentParams:
     tool_image0: str = "original"  # original | shown: what zoom crops for image 0
     lenient: bool = False
     tool_workers: int = 4
+    max_live_episodes: int = 64  # episodes in play at once: 64 on a CPU; a vLLM endpoint takes hundreds
     coords: str = "relative"  # relative (0..1000) | absolute (pixels)
     zoom_min_pixels: int = 56 * 56
     zoom_max_pixels: int = 224 * 224
@@ -69,6 +70,7 @@ class AgentParams:
             temperature=temperature,
             top_p=top_p,
             tool_workers=self.tool_workers,
+            max_live_episodes=self.max_live_episodes,
             min_pixels=self.min_pixels,
             max_pixels=self.max_pixels,
             factor=self.factor,

@@ -1,12 +1,16 @@
 """The multi-turn rollout engine: many episodes at once, one batched policy call per step, tools in a thread pool.
 
 What it does
-    :func:`run_episodes` plays one episode per question (repeat a question in the list for a GRPO group):
+    :func:`stream_episodes` plays one episode per question (repeat a question for a GRPO group) and yields each
+    episode as it finishes; :func:`run_episodes` collects them in question order. At most
+    ``EngineConfig.max_live_episodes`` episodes are in play at once: a question is read (its image opened) when a
+    slot frees, and a finished episode leaves at once, so memory is bounded however many questions come in
+    (``bench/bench_engine_memory.py``). Each episode:
 
     1. the dialogue starts with the system prompt (:func:`~mars.agent.protocol.system_prompt` over
        :data:`~mars.tools.base.TOOL_SCHEMAS`) and a user message ``[image 0, question text]`` where image 0 is the
        question image at ``smart_resize(min_pixels, max_pixels)`` (:func:`~mars.tools.imaging.policy_view`);
-    2. each step sends the dialogues of ALL unfinished episodes to ONE ``backend.generate`` call with
+    2. each step sends the dialogues of all episodes in play to ONE ``backend.generate`` call with
        ``max_new_tokens = max_new_tokens_per_turn`` (the same for every episode, so an episode's reply never
        depends on which others share its batch);
     3. every reply is appended as an assistant message (a plain string) and parsed with
@@ -24,7 +28,7 @@ What it does
     4. an episode also ends when it has used ``max_turns`` assistant turns (``"max_turns"``) or its generated tokens
        reach ``max_total_tokens`` (``"token_budget"``), or when the backend reports a failed request
        (``Generation.finish_reason == "error"`` -> ``"backend_error"``, not counted as a format error). Finished
-       episodes leave the batch.
+       episodes leave the batch, and the next questions take their slots.
 
     Then each episode is judged with :func:`mars.rl.judge.rule_judge` (gold = ``[answer] + aliases``; ``choices``
     for multiple choice) and rewarded with :func:`mars.rl.rewards.compute_reward` (``format_ok`` over the parsed
@@ -61,7 +65,9 @@ Deviations
       forced when the tool box uses absolute pixel coordinates).
     - ``EngineConfig.lenient = False`` (default) treats any malformed turn as failed, like the reference's
       anchored format regex; ``True`` executes a usable action from an imperfect turn (still a format error).
-    - The seed passed to ``backend.generate`` is ``seed + step``.
+    - The seed passed to ``backend.generate`` is ``seed + step``. With more questions than
+      ``max_live_episodes``, which episodes share a step depends on the bound, so sampled (not greedy) episodes
+      depend on it too; up to the bound, the episodes are those of one unbounded batch.
     - ``EngineConfig.prompt = "compact"`` swaps the reference's ~700-token system prompt for a short one
       (:func:`~mars.agent.protocol.compact_system_prompt`); the embedded default's tiny model uses it.
       ``"direct"`` (evaluation's direct-answer workflow) lists no tools.
@@ -81,10 +87,10 @@ from __future__ import annotations
 import io
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import pyarrow as pa
 from PIL import Image
@@ -114,6 +120,7 @@ __all__ = [
     "FINISH_REASONS",
     "messages_to_json",
     "run_episodes",
+    "stream_episodes",
     "trajectories_table",
 ]
 
@@ -149,6 +156,7 @@ class EngineConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     tool_workers: int = 8
+    max_live_episodes: int = 64  # episodes in play at once (their images, dialogues and the backend's caches)
     min_pixels: int = 56 * 56
     max_pixels: int = 224 * 224
     factor: int = 28  # view sides are multiples of this: the model's patch x merge (Qwen2.5-VL 28, Qwen3-VL 32)
@@ -157,8 +165,8 @@ class EngineConfig:
     prompt: str = "full"  # "full" (the reference's) | "compact" (short, tiny models) | "direct" (no tools)
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_new_tokens_per_turn", "max_total_tokens", "tool_workers", "min_pixels",
-                     "max_pixels", "factor"):
+        for name in ("max_turns", "max_new_tokens_per_turn", "max_total_tokens", "tool_workers",
+                     "max_live_episodes", "min_pixels", "max_pixels", "factor"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
@@ -272,6 +280,7 @@ class _Episode:
     logprobs: list[float] | None = field(default_factory=list)
     answer: str | None = None
     finish: str | None = None
+    image_key: str | None = None  # the shared question image it holds (_Images)
 
 
 def _choices(q: dict) -> dict[str, str] | None:
@@ -303,15 +312,43 @@ def _count_tokens(g: Generation) -> int:
     return math.ceil(len(g.text or "") / 4)
 
 
-def _start(i: int, q: dict, sys_prompt: str, cfg: EngineConfig, image_root: Path | None, absolute: bool) -> _Episode:
-    original = _question_image(q, image_root)
-    shown = policy_view(original, cfg.min_pixels, cfg.max_pixels, cfg.factor)
+class _Images:
+    """The question images of the episodes in play, opened once per image and shared by the episodes that show it
+    (the k episodes of a question): ``(original, shown)`` by the question's image path, dropped with the last
+    episode that holds it. Questions that carry a PIL image are not cached."""
+
+    def __init__(self, cfg: EngineConfig, image_root: Path | None):
+        self.cfg, self.root = cfg, image_root
+        self.held: dict[str, list] = {}  # path -> [original, shown, episodes holding it]
+
+    def take(self, q: dict) -> tuple[Image.Image, Image.Image, str | None]:
+        cfg = self.cfg
+        if isinstance(q.get("image"), Image.Image) or "image_path" not in q:
+            original = _question_image(q, self.root)
+            return original, policy_view(original, cfg.min_pixels, cfg.max_pixels, cfg.factor), None
+        key = str(q["image_path"])
+        if key not in self.held:
+            original = _question_image(q, self.root)
+            self.held[key] = [original, policy_view(original, cfg.min_pixels, cfg.max_pixels, cfg.factor), 0]
+        entry = self.held[key]
+        entry[2] += 1
+        return entry[0], entry[1], key
+
+    def drop(self, key: str | None) -> None:
+        if key is not None:
+            self.held[key][2] -= 1
+            if not self.held[key][2]:
+                del self.held[key]
+
+
+def _start(i: int, q: dict, sys_prompt: str, cfg: EngineConfig, images: _Images, absolute: bool) -> _Episode:
+    original, shown, key = images.take(q)
     tool0 = original if (cfg.tool_image0 == "original" and not absolute) else shown
     messages = [
         {"role": "system", "content": sys_prompt},
         {"role": "user", "content": [{"type": "image", "image": shown}, {"type": "text", "text": str(q["question"])}]},
     ]
-    return _Episode(i, q, messages, [shown], [tool0])
+    return _Episode(i, q, messages, [shown], [tool0], image_key=key)
 
 
 def _apply_generation(ep: _Episode, g: Generation, cfg: EngineConfig) -> ParsedTurn | None:
@@ -354,6 +391,28 @@ def _after_turn(ep: _Episode, cfg: EngineConfig) -> None:
         ep.finish = "token_budget"
 
 
+def _observe(ep: _Episode, turn: ParsedTurn, fut: Future) -> None:
+    """Append the tool's observation (or an internal error) to the episode."""
+    try:
+        obs = fut.result()
+    except StageError:
+        raise  # a tool service past its failure budget stops the rollout with its message
+    except Exception as exc:  # a tool box other than ours might raise: never crash the rollout
+        obs = Observation(text=f"internal tool error: {type(exc).__name__}", error="internal tool error")
+    imgs = [im if im.mode == "RGB" else im.convert("RGB") for im in (obs.images or [])]
+    ep.tool_calls.append(
+        dict(turn=len(ep.parsed) - 1, name=turn.tool_name, arguments=turn.arguments, error=obs.error,
+             latency_s=round(float(obs.latency_s), 6))
+    )
+    if obs.error is not None:
+        ep.n_tool_errors += 1
+    content: list[dict] = [{"type": "text", "text": format_tool_response(obs.text, len(imgs))}]
+    content += [{"type": "image", "image": im} for im in imgs]
+    ep.messages.append({"role": "user", "content": content})
+    ep.shown.extend(imgs)
+    ep.tool_images.extend(imgs)
+
+
 def _score(ep: _Episode, weights: RewardWeights) -> Trajectory:
     q = ep.question
     gold = [str(q["answer"])] + [str(a) for a in (q.get("aliases") or [])]
@@ -389,8 +448,8 @@ def _score(ep: _Episode, weights: RewardWeights) -> Trajectory:
     )
 
 
-def run_episodes(
-    questions: Sequence[dict],
+def stream_episodes(
+    questions: Iterable[dict],
     backend: PolicyBackend,
     toolbox: Any,
     cfg: EngineConfig = EngineConfig(),
@@ -398,9 +457,14 @@ def run_episodes(
     seed: int = 0,
     image_root: str | Path | None = None,
     weights: RewardWeights = RewardWeights(),
-) -> list[Trajectory]:
-    """Play one episode per question (see the module docstring); returns trajectories in question order.
+) -> Iterator[tuple[int, Trajectory]]:
+    """Play one episode per question, at most ``cfg.max_live_episodes`` at a time; yields ``(index, trajectory)``
+    as each episode finishes (finishing order; index order within a step).
 
+    ``questions`` is read lazily: a question is taken (and its image opened) only when a slot is free, so a
+    generator of millions of questions plays in bounded memory. A finished episode leaves the engine at once: the
+    engine keeps nothing of it, and a backend with a ``release(dialogues)`` method (:class:`HFBackend
+    <mars.agent.hf_backend.HFBackend>`) is told to drop its cache entries.
     A question is a dict with ``question``, ``answer`` and optionally ``question_id``, ``aliases``, ``choices``
     (JSON string or dict) and either ``image`` (a PIL image) or ``image_path`` (relative to ``image_root``).
     ``toolbox`` is a :class:`~mars.tools.toolbox.ToolBox` (anything with ``call(name, arguments, images)``).
@@ -408,14 +472,20 @@ def run_episodes(
     sys_prompt = {"full": system_prompt, "compact": compact_system_prompt,
                   "direct": lambda _: DIRECT_SYSTEM_PROMPT}[cfg.prompt](TOOL_SCHEMAS)
     absolute = getattr(getattr(toolbox, "cfg", None), "coords", "relative") == "absolute"
-    root = Path(image_root) if image_root is not None else None
-    episodes = [_start(i, dict(q), sys_prompt, cfg, root, absolute) for i, q in enumerate(questions)]
+    images = _Images(cfg, Path(image_root) if image_root is not None else None)
+    release = getattr(backend, "release", None)
+    pending = enumerate(questions)
+    active: list[_Episode] = []
     step = 0
     with ThreadPoolExecutor(max_workers=cfg.tool_workers, thread_name_prefix="mars-tool") as pool:
         while True:
-            active = [ep for ep in episodes if ep.finish is None]
+            while len(active) < cfg.max_live_episodes:
+                nxt = next(pending, None)
+                if nxt is None:
+                    break
+                active.append(_start(nxt[0], dict(nxt[1]), sys_prompt, cfg, images, absolute))
             if not active:
-                break
+                return
             gens = backend.generate(
                 [ep.messages for ep in active],
                 max_new_tokens=cfg.max_new_tokens_per_turn,
@@ -434,25 +504,30 @@ def run_episodes(
                 pool.submit(toolbox.call, t.tool_name, t.arguments, list(ep.tool_images)) for ep, t in calls
             ]
             for (ep, turn), fut in zip(calls, futures):
-                try:
-                    obs = fut.result()
-                except StageError:
-                    raise  # a tool service past its failure budget stops the rollout with its message
-                except Exception as exc:  # a tool box other than ours might raise: never crash the rollout
-                    obs = Observation(text=f"internal tool error: {type(exc).__name__}", error="internal tool error")
-                imgs = [im if im.mode == "RGB" else im.convert("RGB") for im in (obs.images or [])]
-                ep.tool_calls.append(
-                    dict(turn=len(ep.parsed) - 1, name=turn.tool_name, arguments=turn.arguments, error=obs.error,
-                         latency_s=round(float(obs.latency_s), 6))
-                )
-                if obs.error is not None:
-                    ep.n_tool_errors += 1
-                content: list[dict] = [{"type": "text", "text": format_tool_response(obs.text, len(imgs))}]
-                content += [{"type": "image", "image": im} for im in imgs]
-                ep.messages.append({"role": "user", "content": content})
-                ep.shown.extend(imgs)
-                ep.tool_images.extend(imgs)
+                _observe(ep, turn, fut)
             for ep in active:
                 _after_turn(ep, cfg)
             step += 1
-    return [_score(ep, weights) for ep in episodes]
+            done = [ep for ep in active if ep.finish is not None]
+            active = [ep for ep in active if ep.finish is None]
+            if done and release is not None:
+                release([ep.messages for ep in done])
+            for ep in done:
+                images.drop(ep.image_key)
+                yield ep.idx, _score(ep, weights)
+
+
+def run_episodes(
+    questions: Sequence[dict],
+    backend: PolicyBackend,
+    toolbox: Any,
+    cfg: EngineConfig = EngineConfig(),
+    *,
+    seed: int = 0,
+    image_root: str | Path | None = None,
+    weights: RewardWeights = RewardWeights(),
+) -> list[Trajectory]:
+    """Every episode of :func:`stream_episodes`, in question order (all trajectories are kept: for a batch)."""
+    out: dict[int, Trajectory] = dict(stream_episodes(questions, backend, toolbox, cfg, seed=seed,
+                                                      image_root=image_root, weights=weights))
+    return [out[i] for i in range(len(out))]

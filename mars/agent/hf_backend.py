@@ -49,7 +49,9 @@ Deviations
     semantics); those extra tokens are discarded. Sampling results depend on the batch composition (one RNG stream),
     and with the episode cache on they can differ from the ``model.generate`` path (same distribution; greedy
     output is the same). Reused keys/values were computed in another batch layout, so logits differ from a fresh
-    prefill by float rounding (~1e-6). ``clear_cache()`` forgets all cached dialogues.
+    prefill by float rounding (~1e-6). ``clear_cache()`` forgets all cached dialogues; ``release(dialogues)`` the
+    entries of finished ones (the engine calls it as episodes end, so a long stream of episodes keeps only the
+    entries of those in play; the image memo stays LRU-bounded at 512 MiB, shared by the episodes of a group).
 
 Run the tests: ``.venv/bin/python -m pytest tests/model -q``; throughput: ``python bench/bench_rollout.py``.
 """
@@ -197,6 +199,7 @@ class HFBackend:
         self.episode_cache = episode_cache
         self.max_cache_tokens = max_cache_tokens
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU of processed sequences
+        self._owner: dict[int, bytes] = {}  # id(dialogue) -> its latest entry (for release)
         self._cached_tokens = 0
         self._memo = _MemoProcessor(processor)  # image preprocessing memo + image fingerprints for the cache keys
         self.last_stats: dict = {}  # rows, cached_tokens, prefilled_tokens of the last cached-path call
@@ -318,6 +321,7 @@ class HFBackend:
     def clear_cache(self) -> None:
         """Forget every cached dialogue and the shared prefix."""
         self._entries.clear()
+        self._owner.clear()
         self._cached_tokens = 0
         self._prefix = None
         self.last_stats = {}
@@ -381,16 +385,24 @@ class HFBackend:
             self._prefix = (prefix, _Entry(ids[0][:P].clone(), kv, torch.arange(P).expand(3, P)))
         return self._prefix[1]
 
-    def _store(self, key: torch.Tensor, kv: list, pos: torch.Tensor) -> None:
+    def release(self, dialogues: list[list[dict]]) -> None:
+        """Drop the cached keys/values of finished dialogues (the engine calls this as episodes end)."""
+        for d in dialogues:
+            h = self._owner.pop(id(d), None)
+            if h is not None and h in self._entries:
+                self._cached_tokens -= len(self._entries.pop(h).key)
+
+    def _store(self, key: torch.Tensor, kv: list, pos: torch.Tensor) -> bytes:
         h = hashlib.blake2b(key.numpy().tobytes(), digest_size=16).digest()
         if h in self._entries:
             self._entries.move_to_end(h)
-            return
+            return h
         self._entries[h] = _Entry(key, kv, pos, h)
         self._cached_tokens += len(key)
         while self._cached_tokens > self.max_cache_tokens and self._entries:
             _, old = self._entries.popitem(last=False)
             self._cached_tokens -= len(old.key)
+        return h
 
     def _generate_cached(self, dialogues, max_new_tokens, temperature, top_p, seed, stop) -> list[Generation]:
         dev = self.device
@@ -500,6 +512,8 @@ class HFBackend:
         lp_all = _logprobs(torch.stack(gen_logits, 1).cpu(), seqs, temperature, self.suppress)
         gens = [self._finish(seqs[b].tolist(), lp_all[b].tolist(), stop, max_new_tokens) for b in range(B)]
         # 4. keep every row's keys/values: prompt + the generated tokens it kept that were fed back
+        if len(self._owner) > 4 * len(self._entries) + 256:  # callers that never release: forget evicted owners
+            self._owner = {k: h for k, h in self._owner.items() if h in self._entries}
         fed = len(gen_tokens) - 1
         layers = cache.layers
         for b, (row, g) in enumerate(zip(rows, gens)):
@@ -511,7 +525,7 @@ class HFBackend:
                                     new_pos[b]], dim=1)
             gpos = (next_pos[b].cpu() + torch.arange(keep)).expand(3, keep)
             key = torch.cat([row.key, torch.tensor(g.token_ids[:keep], dtype=torch.long)])
-            self._store(key, kv, torch.cat([prompt_pos, gpos], dim=1))
+            self._owner[id(dialogues[b])] = self._store(key, kv, torch.cat([prompt_pos, gpos], dim=1))
             e = matches[b][0]
             if e is not None and e.hash and cl[b] == len(e.key) and e.hash in self._entries:
                 self._cached_tokens -= len(self._entries.pop(e.hash).key)  # superseded by the longer entry

@@ -24,9 +24,11 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,11 +273,11 @@ def write_table(table: pa.Table, path: str | Path, schema: pa.Schema) -> Path:
 
 # --- read_table's advice: which stage writes a file, and what differs from its schema -----------------------------
 
-STAGES = ("world", "curate", "index", "synthesize", "sft", "rl", "evaluate")  # dvc.yaml's stages, in order
+STAGES = ("world", "curate", "index", "synthesize", "sft", "mine", "rl", "evaluate")  # dvc.yaml's stages, in order
 PRODUCERS = {  # the stage that writes each artifact of mars.data.schemas (dvc.yaml: data/<stage>/<artifact>.parquet)
     "entities": "world", "corpus": "world", "gallery": "world", "raw_images": "world", "world_truth": "world",
     "download_failures": "world", "curated": "curate", "rejects": "curate", "questions": "synthesize",
-    "trajectories": "sft", "results": "evaluate",
+    "trajectories": "sft", "pass_counts": "mine", "results": "evaluate",
 }
 
 
@@ -370,3 +372,32 @@ def write_frame(frame: "pl.DataFrame", path: str | Path, schema: pa.Schema) -> P
             casted.append(col.cast(field.type) if not col.type.equals(field.type) else col)
         table = pa.Table.from_arrays(casted, schema=schema)
     return write_table(table, path, schema)
+
+
+class ChunkStore:
+    """Rows of finished work saved as they come: ``root/<key>/chunk-*.parquet``, each chunk written atomically.
+
+    Long loops (evaluation's samples, difficulty mining's pass counts) append a chunk every so often; a killed run
+    keeps every chunk written before the kill, and the rerun reads them back (:meth:`table`) and skips that work.
+    ``key`` names the run: callers derive it from everything the rows depend on, so a changed input never resumes
+    from another run's rows.
+    """
+
+    def __init__(self, root: str | Path, key: str, schema: pa.Schema):
+        self.schema = schema
+        self.dir = Path(root) / re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def chunks(self) -> list[Path]:
+        return sorted(self.dir.glob("chunk-*.parquet"))
+
+    def table(self) -> pa.Table:
+        parts = [read_table(p, self.schema) for p in self.chunks()]
+        return pa.concat_tables(parts) if parts else self.schema.empty_table()
+
+    def append(self, rows: list[dict]) -> Path:
+        path = self.dir / f"chunk-{len(self.chunks()):05d}-{int(time.time() * 1000)}.parquet"
+        with atomic_path(path) as tmp:
+            pq.write_table(pa.Table.from_pylist(rows, schema=self.schema), tmp)
+        return path
+

@@ -164,6 +164,16 @@ TRAJECTORIES = pa.schema(
     ]
 )
 
+PASS_COUNTS = pa.schema(  # difficulty mining: how often a policy solved each question (mars.synth.mining)
+    [
+        _f("question_id", pa.string()),
+        _f("split", pa.string()),
+        _f("type", pa.string()),
+        _f("k", pa.int32()),  # episodes played
+        _f("passes", pa.int32()),  # correct episodes, 0..k
+    ]
+)
+
 # --- evaluate ------------------------------------------------------------------------------
 
 BENCH_QUESTIONS = pa.schema(
@@ -225,6 +235,7 @@ ARTIFACTS: dict[str, pa.Schema] = {
     "rejects": REJECTS,
     "questions": QUESTIONS,
     "trajectories": TRAJECTORIES,
+    "pass_counts": PASS_COUNTS,
     "bench_questions": BENCH_QUESTIONS,
     "results": RESULTS,
 }

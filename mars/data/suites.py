@@ -116,6 +116,13 @@ SUITES: dict[str, list[Expect]] = {
         between("n_turns", 1, None),
         between("reward", 0.0, None),
     ],
+    "pass_counts": [
+        rows(),
+        unique("question_id"),
+        in_set("split", ["sft", "rl", "test"]),
+        between("passes", 0, None),
+        greater("k", "passes", or_equal=True),
+    ],
     "results": [
         rows(),
         unique("sample_id"),

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import io
 import logging
-import re
 import string
 import time
 from dataclasses import replace
@@ -40,12 +39,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from PIL import Image
 from tqdm import tqdm
 
 from mars.agent.engine import EngineConfig, PolicyBackend, Trajectory, messages_to_json, run_episodes
-from mars.data.io import atomic_path
+from mars.data.io import ChunkStore
 from mars.data.schemas import RESULTS
 from mars.errors import EndpointDown
 
@@ -56,28 +54,14 @@ WORKFLOWS = ("agentic", "direct")
 _TOOL_COLS = {"image_zoom_in": "n_zoom", "text_search": "n_text_search", "image_search": "n_image_search"}
 
 
-class ResultStore:
+class ResultStore(ChunkStore):
     """Result rows of finished samples, appended chunk by chunk under ``root/<run key>/chunk-*.parquet``."""
 
     def __init__(self, root: str | Path, key: str):
-        self.dir = Path(root) / re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def chunks(self) -> list[Path]:
-        return sorted(self.dir.glob("chunk-*.parquet"))
-
-    def table(self) -> pa.Table:
-        parts = [pq.read_table(p, schema=RESULTS) for p in self.chunks()]
-        return pa.concat_tables(parts) if parts else RESULTS.empty_table()
+        super().__init__(root, key, RESULTS)
 
     def done(self) -> set[str]:
         return set(self.table().column("sample_id").to_pylist())
-
-    def append(self, rows: list[dict]) -> Path:
-        path = self.dir / f"chunk-{len(self.chunks()):05d}-{int(time.time() * 1000)}.parquet"
-        with atomic_path(path) as tmp:
-            pq.write_table(pa.Table.from_pylist(rows, schema=RESULTS), tmp)
-        return path
 
 
 def engine_question(row: dict) -> dict:

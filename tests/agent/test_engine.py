@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mars.agent.backends import ScriptedBackend
-from mars.agent.engine import EngineConfig, Generation, run_episodes, trajectories_table
+from mars.agent.engine import EngineConfig, Generation, run_episodes, stream_episodes, trajectories_table
 from mars.agent.protocol import format_answer, format_tool_call
 from mars.data.io import write_table
 from mars.data.schemas import QUESTIONS, TRAJECTORIES
@@ -125,6 +125,72 @@ def test_batching_and_finished_episodes_leave_the_batch(smoke):
     assert [t.n_tool_calls for t in trajs] == [i % 3 for i in range(6)]
     assert all(t.finish_reason == "answer" and t.n_format_errors == 0 for t in trajs)
     assert [t.question_id for t in trajs] == [q["question_id"] for q in qs]
+
+
+def test_live_episodes_are_bounded_and_questions_read_lazily(smoke):
+    qs = _qrows(smoke, n=6)
+    want = {q["question"]: i % 3 for i, q in enumerate(qs)}  # episode i answers after i % 3 text searches
+
+    def policy(d):
+        text = next(p["text"] for p in d[1]["content"] if p["type"] == "text")
+        if _n_assistant(d) < want[text]:
+            return format_tool_call("text_search", {"query": "founded"}, "search")
+        return format_answer(text[:12], "done")
+
+    read: list[int] = []
+
+    def lazily():
+        for i, q in enumerate(qs):
+            read.append(i)
+            yield q
+
+    backend = ScriptedBackend(policy)
+    cfg = EngineConfig(max_live_episodes=2)
+    stream = stream_episodes(lazily(), backend, smoke["toolbox"], cfg, seed=0, image_root=smoke["world"])
+    first = next(stream)
+    # episodes 0 (answers at once) and 1 (one search) start; 0 finishes in step 1 before question 2 is read
+    assert first[0] == 0 and read == [0, 1]
+    rest = list(stream)
+    # episode i plays i % 3 searches, then answers. Slots: step 1 [0,1] -> 0 done; step 2 [1,2] -> 1 done;
+    # step 3 [2,3] -> 3 done; step 4 [2,4] -> 2 done; step 5 [4,5] -> 4 done; steps 6, 7 [5] -> 5 done
+    assert backend.batch_sizes == [2, 2, 2, 2, 2, 1, 1]
+    assert [i for i, _ in [first, *rest]] == [0, 1, 3, 2, 4, 5]
+    # the same episodes as one unbounded batch (a deterministic policy): bounding changes nothing else
+    bounded = {i: t for i, t in [first, *rest]}
+    whole = run_episodes(qs, ScriptedBackend(policy), smoke["toolbox"], EngineConfig(), seed=0,
+                         image_root=smoke["world"])
+    assert [bounded[i].row()["messages_json"] for i in range(6)] == [t.row()["messages_json"] for t in whole]
+    assert [bounded[i].n_tool_calls for i in range(6)] == [i % 3 for i in range(6)]
+
+
+def test_the_episodes_of_a_question_share_its_image(smoke):
+    qs = _qrows(smoke, n=2)
+    trajs = run_episodes([qs[0], qs[0], qs[1], qs[0]], ScriptedBackend(lambda d: format_answer("x", "done")),
+                         smoke["toolbox"], EngineConfig(max_live_episodes=2), image_root=smoke["world"])
+    first = [t.images[0] for t in trajs]
+    # episodes 0 and 1 are in play together: one image opened; episode 3 starts after both left: opened again
+    assert first[0] is first[1] and first[2] is not first[0] and first[3] is not first[0]
+    assert first[3].tobytes() == first[0].tobytes()
+
+
+class Releasing(ScriptedBackend):
+    """A scripted backend that records the dialogues the engine releases."""
+
+    def __init__(self, policy):
+        super().__init__(policy)
+        self.released: list[int] = []
+
+    def release(self, dialogues):
+        self.released += [len(d) for d in dialogues]
+
+
+def test_finished_episodes_are_released_to_the_backend(smoke):
+    qs = _qrows(smoke, n=3)
+    backend = Releasing(lambda d: format_answer("x", "done") if _n_assistant(d) else "not a turn")
+    trajs = run_episodes(qs, backend, smoke["toolbox"], EngineConfig(max_live_episodes=2, max_turns=3), seed=0,
+                         image_root=smoke["world"])
+    # every episode: a malformed turn, its error observation, then the answer: system + user + 3 = 5 messages
+    assert backend.released == [5, 5, 5] and all(t.finish_reason == "answer" for t in trajs)
 
 
 class GatedToolBox:

@@ -188,7 +188,10 @@ def test_episode_cache_stop_strings_sampling_and_eviction():
 
 def test_run_episodes_with_episode_cache_equals_uncached():
     """The engine's multi-turn loop (one ``generate`` per step over all unfinished episodes) gives the same
-    trajectories with and without the episode cache."""
+    trajectories with and without the episode cache, and with one episode in play at a time; finished episodes'
+    cache entries are released."""
+    from dataclasses import replace
+
     from mars.agent.engine import EngineConfig, run_episodes
     from mars.tools.base import Observation
 
@@ -205,3 +208,7 @@ def test_run_episodes_with_episode_cache_equals_uncached():
     assert [t.n_turns for t in on] == [t.n_turns for t in off] and all(t.n_turns == 3 for t in on)
     for a, b in zip(on, off):
         assert all(abs(x - y) < 1e-4 for x, y in zip(a.logprobs, b.logprobs))
+    be = HFBackend(model, proc)
+    one = run_episodes(qs, be, Tools(), replace(cfg, max_live_episodes=1))
+    assert [t.token_ids for t in one] == [t.token_ids for t in on]
+    assert not be._entries and be._cached_tokens == 0 and not be._owner  # every finished episode released

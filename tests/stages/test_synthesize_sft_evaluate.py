@@ -209,6 +209,47 @@ def test_difficulty_mining_scripted(built):
     assert keep_band(rows, npass, k, k) == [r for r in rows if npass[r["question_id"]] == k]
 
 
+def test_synthesize_mines_with_a_checkpoint_saves_the_counts_and_resumes(built, tmp_path):
+    from mars.data.schemas import PASS_COUNTS
+    from mars.errors import MissingInputError
+    from mars.model.build import save_checkpoint
+    from tests.model.test_hf_backend import tiny_stack
+
+    b = built
+    tok, proc, model = tiny_stack()
+    save_checkpoint(model, tok, proc, tmp_path / "ckpt")
+    p = write_params(tmp_path, "mine", profile={"synthesize": {
+        "mine_checkpoint": str(tmp_path / "ckpt"), "mine_splits": ["rl"], "mine_k": 2, "mine_min_pass": 0,
+        "mine_max_pass": 0}, "agent": {"max_turns": 2, "max_new_tokens_per_turn": 8}})
+    sp = load_params("synthesize", synthesize.Params, p)
+    agent = load_params("agent", AgentParams, p)
+    ins = {**b.synth_in, "index_dir": b.tmp / "index"}
+    outs = {"out": tmp_path / "synth", "scratch": tmp_path / "scratch", "metrics": tmp_path / "m.json"}
+    m = synthesize.run(sp, ins, outs, agent)
+    rl = questions(b, "rl")
+    counts = pq.read_table(tmp_path / "synth/pass_counts.parquet", schema=PASS_COUNTS).to_pylist()
+    assert sorted(c["question_id"] for c in counts) == sorted(r["question_id"] for r in rl)
+    assert all(c["k"] == 2 and c["split"] == "rl" and 0 <= c["passes"] <= 2 for c in counts)
+    solved = sum(c["passes"] > 0 for c in counts)  # the untrained model: dropped by the band 0..0
+    assert m["mined"] == len(rl) and m["mined_kept"] == len(rl) - solved
+    assert m["mining"]["rl"]["questions"] == len(rl) and sum(
+        sum(t["histogram"]) for k, t in m["mining"]["rl"].items() if isinstance(t, dict)) == len(rl)
+    chunks = sorted((tmp_path / "scratch/mining").glob("*/chunk-*.parquet"))
+    assert chunks and sum(pq.read_metadata(c).num_rows for c in chunks) == len(rl)
+    # a rerun finds every count saved: it plays nothing and writes the same table
+    stamp = [c.stat().st_mtime_ns for c in chunks]
+    synthesize.run(sp, ins, {**outs, "out": tmp_path / "again"}, agent)
+    assert [c.stat().st_mtime_ns for c in sorted((tmp_path / "scratch/mining").glob("*/chunk-*.parquet"))] == stamp
+    assert pq.read_table(tmp_path / "again/pass_counts.parquet").equals(pq.read_table(
+        tmp_path / "synth/pass_counts.parquet"))
+    (tmp_path / "not-a-model").mkdir()
+    bad = load_params("synthesize", synthesize.Params, write_params(tmp_path, "bad", profile={"synthesize": {
+        "mine_checkpoint": str(tmp_path / "not-a-model")}}))
+    with pytest.raises(MissingInputError, match=r"^synthesize.mine_checkpoint: .*not-a-model.*config.json"):
+        synthesize.run(bad, ins, {**outs, "out": tmp_path / "bad"}, agent)
+    assert not (tmp_path / "bad").exists()
+
+
 # ------------------------------------------------------------------------------------------------ sft
 
 
@@ -643,6 +684,46 @@ def test_checkpoint_reloads_with_plain_transformers(trained):
         assert got["via"].startswith("load_processor"), got
     else:
         assert got["via"] == "AutoProcessor", got
+
+
+# ------------------------------------------------------------------------------------------------ mine
+
+
+def test_mine_keeps_the_band_of_the_sft_pass_counts(trained, tmp_path):
+    from mars.data.schemas import PASS_COUNTS, QUESTIONS
+    from stages import mine
+
+    b = trained
+    rl = questions(b, "rl")
+    ins = {"questions": b.tmp / "synth/questions.parquet", "image_root": b.tmp / "synth", "world_dir": b.tmp / "world",
+           "index_dir": b.tmp / "index", "sft": b.tmp / "sft"}
+
+    def outs(name):
+        return {"out": tmp_path / name, "scratch": tmp_path / "scratch", "plots": tmp_path / f"plots-{name}",
+                "metrics": tmp_path / f"{name}.json"}
+
+    # off (the default): every rl question passes through, nothing is played, the histogram has no rows
+    off = mine.run(mine.Params(), b.agent, ins, outs("off"))
+    assert off == {"enabled": False, "questions": len(rl), "kept": len(rl)}
+    assert pq.read_table(tmp_path / "off/questions.parquet", schema=QUESTIONS).to_pylist() == rl
+    assert (tmp_path / "plots-off/pass_counts.csv").read_text() == "passes,questions\n"
+    assert not (tmp_path / "scratch").exists()
+    # on: k = 2 greedy-free samples at rl's temperature, keep the questions solved exactly once
+    p = mine.Params(enabled=True, k=2, min_pass=1, max_pass=1)
+    m = mine.run(p, b.agent, ins, outs("on"))
+    counts = pq.read_table(tmp_path / "on/pass_counts.parquet", schema=PASS_COUNTS).to_pylist()
+    assert sorted(c["question_id"] for c in counts) == sorted(r["question_id"] for r in rl)
+    once = {c["question_id"] for c in counts if c["passes"] == 1}
+    kept = pq.read_table(tmp_path / "on/questions.parquet", schema=QUESTIONS).to_pylist()
+    assert kept == [r for r in rl if r["question_id"] in once] and kept, "the smoke sft policy solves some once"
+    assert m["kept"] == len(kept) and m["dropped"] == len(rl) - len(kept) and m["questions"] == len(rl)
+    # degenerate: solved 0 or 2 times of 2 -- every question outside the band here
+    assert m["degenerate_share"] == round(1 - len(kept) / len(rl), 4) and m["degenerate_share_kept"] == 0.0
+    rows = (tmp_path / "plots-on/pass_counts.csv").read_text().splitlines()
+    assert rows[0] == "passes,questions" and [int(r.split(",")[0]) for r in rows[1:]] == [0, 1, 2]
+    assert int(rows[2].split(",")[1]) == len(kept) and sum(int(r.split(",")[1]) for r in rows[1:]) == len(rl)
+    with pytest.raises(ValueError, match="min_pass <= max_pass <= k"):
+        mine.Params(enabled=True, k=2, min_pass=1, max_pass=3)
 
 
 # ------------------------------------------------------------------------------------------------ evaluate

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 from prefect.states import Completed
 
 from mars.params import build_dataclass, read_params_file
@@ -270,8 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.name and not ns.overrides:
         parser.error("--name names the experiment of a run with --set overrides; add --set KEY=VALUE")
-    statuses = mars_pipeline(stages=ns.stages, overrides=_parse_overrides(ns.overrides), repo=ns.repo,
-                             experiment=ns.name)
+    overrides = _parse_overrides(ns.overrides)
+    # without PREFECT_API_URL the flow starts a temporary server, which first creates or migrates the database in
+    # PREFECT_HOME: Prefect's 20 s wait timed out on a fresh .prefect on 2 busy cores (unless the user set one)
+    wait = {} if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in os.environ else {
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 180}
+    with temporary_settings(updates=wait):
+        statuses = mars_pipeline(stages=ns.stages, overrides=overrides, repo=ns.repo, experiment=ns.name)
     for name, status in statuses.items():
         print(f"{name:12s} {status}")
     return 0

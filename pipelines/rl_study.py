@@ -2,7 +2,9 @@
 
 What it does
     For every (algorithm, seed) it runs the ``rl`` stage's ``run()`` with the params of params.yaml except
-    ``rl.algorithm`` and ``rl.seed``, into ``<out>/<algorithm>-s<seed>/``, then evaluates that checkpoint with the
+    ``rl.algorithm`` and ``rl.seed``, on the prompts the ``rl`` stage reads (``data/mine/questions.parquet``: the
+    ``mine`` stage's pass-count band when it is on; ``--rl-questions`` names another file), into
+    ``<out>/<algorithm>-s<seed>/``, then evaluates that checkpoint with the
     ``evaluate`` stage's ``run()`` (``runs: [rl/agentic]``, plus ``sft/agentic`` once as the reference; evaluation
     results are reused when a checkpoint was already scored). It prints and writes (``--summary``) the
     test accuracy per algorithm and seed, the mean and spread (min..max, std) over seeds, the change against the
@@ -14,7 +16,7 @@ What it does
     ``dvc exp run -S rl.algorithm=grpo`` runs one ablation inside DVC; this command runs the grid outside it (the
     pipeline's own outputs are not touched).
 
-Run (after ``dvc repro sft``): ``python -m pipelines.rl_study --seeds 0 1 2 --algorithms bn_gspo gspo grpo``.
+Run (after ``dvc repro mine``): ``python -m pipelines.rl_study --seeds 0 1 2 --algorithms bn_gspo gspo grpo``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithms", nargs="+", default=["bn_gspo", "gspo", "grpo"])
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--data", type=Path, default=Path("data"), help="the pipeline's data directory")
+    ap.add_argument("--rl-questions", type=Path, default=None,
+                    help="the rl prompts (default <data>/mine/questions.parquet, what the rl stage reads: the mine "
+                         "stage's band when it is on)")
     ap.add_argument("--out", type=Path, default=Path("data/experiments"), help="the runs' checkpoints and outputs")
     ap.add_argument("--summary", type=Path, default=Path("metrics/rl_study.json"),
                     help="the summary (git-tracked: dvc.yaml lists it as a top-level metric)")
@@ -77,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     d = ns.data
     inputs = {"questions": d / "synthesize/questions.parquet", "image_root": d / "synthesize",
               "world_dir": d / "world", "index_dir": d / "index", "sft": d / "sft"}
+    rl_inputs = {**inputs, "questions": ns.rl_questions or d / "mine/questions.parquet"}
     summary: dict = {"runs": {}}
     sft_acc, sft_zoom = None, None
     for alg in ns.algorithms:
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{alg}-s{seed}"
             run_dir = ns.out / name
             t0 = time.perf_counter()
-            m = rl.run(replace(base_rl, algorithm=alg, seed=seed), agent, inputs,
+            m = rl.run(replace(base_rl, algorithm=alg, seed=seed), agent, rl_inputs,
                        {"out": run_dir / "rl", "checkpoints": run_dir / "ckpt", "live": run_dir / "live",
                         "plots": run_dir / "plots/rl", "metrics": run_dir / "rl.json"})
             rl_s = time.perf_counter() - t0
@@ -97,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             acc, by_type = _acc(ev, "rl/agentic")
             summary["runs"][name] = {"algorithm": alg, "seed": seed, "accuracy": acc, "by_type": by_type,
                                      "reward_first": m["reward_first"], "reward_last": m["reward_last"],
+                                     "degenerate_first": m["degenerate_groups_first"],
+                                     "degenerate_last": m["degenerate_groups_last"],
                                      "first_zoom_framed": ev["test"]["rl/agentic"].get("first_zoom_framed"),
                                      "rl_seconds": round(rl_s, 1)}
             log.info("%s: test accuracy %.3f (sft %.3f), reward %.3f -> %.3f, %.0f s", name, acc, sft_acc[0],

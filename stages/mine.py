@@ -12,7 +12,7 @@ What it does
 Outputs (``--out``): ``questions.parquet`` (QUESTIONS, the rl questions that ``rl`` trains on, quality-checked)
 and, when enabled, ``pass_counts.parquet`` (PASS_COUNTS); ``--plots``: ``pass_counts.csv`` (questions per pass
 count, for ``dvc plots``); metrics: kept and dropped counts, the degenerate share before and after the band and
-the pass-count histogram per type (``dvc exp show`` shows them beside the RL result).
+the pass-count histogram of the split and per type (``dvc exp show`` shows them beside the RL result).
 
 Deviation: the MARS paper gives no RL filter; its 8B release's RL sets are 28-51% of the 7B counts, which suggests
 one. The band is off by default until measured to help (docs/findings.md).

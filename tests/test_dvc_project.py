@@ -1,6 +1,7 @@
 """The project's own dvc.yaml on the smoke profile: `dvc repro` runs every stage, a second is a no-op, and
-experiments with changed rl params (`dvc exp run`, and the Prefect flow's override run) restore world..sft from
-DVC's run-cache, run only rl and evaluate, and keep their metrics where `dvc exp show` reads them."""
+experiments with changed rl params (`dvc exp run` with the mine stage on, and the Prefect flow's override run)
+restore world..sft from DVC's run-cache, run only what the change touched, and keep their metrics (the mine stage's
+pass-count histogram beside the RL result) where `dvc exp show` reads them."""
 
 from __future__ import annotations
 
@@ -91,9 +92,12 @@ def test_dvc_repro_smoke_then_noop_then_rl_experiments(clean_copy, prefect_api):
     check = sh([sys.executable, "-m", "mars.cli", "params", "check"], repo)
     assert "profile smoke" in check.stdout
 
-    # an rl experiment in a temporary copy: world..sft are not run (DVC checks out their outputs), rl and evaluate run
-    out = dvc(["exp", "run", "--temp", "-n", "rl-steps-1", "-S", "profiles.smoke.rl.steps=1"], repo).stdout
-    assert ran(out) == {"rl", "evaluate"} and restored(out) == STAGES - {"rl", "evaluate"}, out
+    # an rl experiment with the mine stage on, in a temporary copy: world..sft are not run (DVC checks out their
+    # outputs); mine plays the rl questions k = 2 times with the sft model and keeps those solved at most once, then
+    # rl trains on them and evaluate runs
+    band = ["-S", "mine.enabled=true", "-S", "mine.k=2", "-S", "mine.min_pass=0", "-S", "mine.max_pass=1"]
+    out = dvc(["exp", "run", "--temp", "-n", "rl-steps-1", "-S", "profiles.smoke.rl.steps=1", *band], repo).stdout
+    assert ran(out) == {"mine", "rl", "evaluate"} and restored(out) == STAGES - {"mine", "rl", "evaluate"}, out
     # the Prefect flow's override run of rl: the second experiment, rl and what depends on it
     home, api = prefect_api
     out = run_flow(repo, home, api, "--stages", "rl", "--set", "profiles.smoke.rl.steps=3", "--name", "rl-flow")
@@ -109,6 +113,16 @@ def test_dvc_repro_smoke_then_noop_then_rl_experiments(clean_copy, prefect_api):
     # `dvc exp show` holds both experiments' rl and evaluate metrics side by side
     exps = experiments(repo)
     assert {n: e["metrics/rl.json"]["steps"] for n, e in exps.items()} == {"rl-steps-1": 1, "rl-flow": 3}
+    # the mine stage's pass-count histogram beside the RL result: on in the first, off (every question kept) in the
+    # second
+    mined, passed = exps["rl-steps-1"]["metrics/mine.json"], exps["rl-flow"]["metrics/mine.json"]
+    rl_questions = mined["questions"]
+    hist = mined["histogram"]
+    assert mined["enabled"] and list(hist) == ["0", "1", "2"] and sum(hist.values()) == rl_questions
+    assert mined["kept"] == hist["0"] + hist["1"] == rl_questions - mined["dropped"]
+    assert passed == {"enabled": False, "questions": rl_questions, "kept": rl_questions}
+    header = dvc(["exp", "show", "--csv"], repo).stdout.splitlines()[0].split(",")
+    assert {"histogram.0", "histogram.1", "histogram.2", "reward_last"} <= set(header), header
     for e in exps.values():
         assert {"sft/agentic", "rl/agentic"} <= set(e["metrics/evaluate.json"]["test"])
         assert e["metrics/evaluate.json"]["test"]["sft/agentic"] == evaluated["sft/agentic"]  # sft restored, not rerun

@@ -7,8 +7,8 @@ What it does
       :class:`mars.llm_client.ChatClient` (the ``openai`` package).
       Images go as ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``; the request
       asks for ``logprobs: true`` and stops at ``</tool_call>`` and ``</answer>``. Servers that strip the matched
-      stop string (vLLM, OpenAI) get it re-appended: from ``stop_reason`` when the server names it (vLLM),
-      otherwise by closing the action tag left open at the end of the text. Per-token ``logprobs`` are parsed from
+      stop string (vLLM, OpenAI) get it re-appended: from ``stop_reason`` when the server names it (vLLM,
+      ``mars serve``), otherwise by closing the action tag left open at the end of the text. Per-token ``logprobs`` are parsed from
       ``choices[0].logprobs.content``; ``token_ids`` from ``choices[0].token_ids`` (newer vLLM with
       ``return_token_ids``) or from tokens rendered as ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``,
       sent when ``token_ids=True``); otherwise ``None``. vLLM's fields beyond OpenAI's schema travel through the

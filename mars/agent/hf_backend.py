@@ -386,10 +386,11 @@ class HFBackend:
         return self._prefix[1]
 
     def release(self, dialogues: list[list[dict]]) -> None:
-        """Drop the cached keys/values of finished dialogues (the engine calls this as episodes end)."""
+        """Drop the cached keys/values of finished dialogues (the engine calls this as episodes end); an entry that
+        another live dialogue shares (the same tokens, e.g. greedy samples of one question) stays for it."""
         for d in dialogues:
             h = self._owner.pop(id(d), None)
-            if h is not None and h in self._entries:
+            if h is not None and h in self._entries and h not in self._owner.values():
                 self._cached_tokens -= len(self._entries.pop(h).key)
 
     def _store(self, key: torch.Tensor, kv: list, pos: torch.Tensor) -> bytes:

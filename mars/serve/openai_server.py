@@ -17,7 +17,8 @@ protocol and replaces it.
   sampled token with its log-probability at the sampling temperature (vLLM's ``--logprobs-mode
   processed_logprobs``), named ``token_id:N`` with ``return_tokens_as_token_ids`` (as vLLM does), so a client
   recovers the exact ids. Like vLLM, the matched stop string is not part of the returned text (its tokens are in
-  ``logprobs``).
+  ``logprobs``) and the choice names it in ``stop_reason`` (null when none matched), so a client restores the
+  tag the model wrote, not the one it opened.
 
   With ``"stream": true`` the answer is server-sent events as OpenAI sends them (``data: {chunk}\n\n`` ...
   ``data: [DONE]\n\n``, each chunk a ``chat.completion.chunk`` with ``choices[0].delta``), but NOT incremental:
@@ -278,10 +279,10 @@ def create_app(backend, model_name: str, loader=load_backend, limits: Limits = L
                 top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop,
             )[0]
             tok = backend.tokenizer
-        text = gen.text
-        for s in stop:  # like vLLM: the matched stop string is not returned
+        text, matched = gen.text, None
+        for s in stop:  # like vLLM: the matched stop string is not returned, but named in ``stop_reason``
             if gen.finish_reason == "stop" and text.endswith(s):
-                text = text[: -len(s)]
+                text, matched = text[: -len(s)], s
                 break
         logprobs = None
         if req.logprobs:
@@ -292,7 +293,7 @@ def create_app(backend, model_name: str, loader=load_backend, limits: Limits = L
         head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_name}
         if not req.stream:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": gen.finish_reason}
+                                      "finish_reason": gen.finish_reason, "stop_reason": matched}
             if logprobs is not None:
                 choice["logprobs"] = logprobs
             return {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
@@ -300,7 +301,8 @@ def create_app(backend, model_name: str, loader=load_backend, limits: Limits = L
         events = [
             {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "logprobs": logprobs,
                                    "finish_reason": None}]},
-            {**chunk, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": gen.finish_reason}]},
+            {**chunk, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": gen.finish_reason,
+                                   "stop_reason": matched}]},
         ]
         if req.stream_options is not None and req.stream_options.include_usage:
             events.append({**chunk, "choices": [], "usage": usage})

@@ -128,21 +128,30 @@ def histogram(rows: Sequence[dict], k: int) -> list[dict]:
 
 
 def band_metrics(rows: Sequence[dict], k: int, min_pass: int, max_pass: int) -> dict:
-    """Kept and dropped counts per split and type, the histogram of pass counts, and the degenerate share (the
-    questions every episode of a group gets right or wrong alike: no GRPO/GSPO signal) before and after the band."""
+    """Kept and dropped counts per split and type, the histogram of pass counts 0..k (per split and per type,
+    :func:`_counts`), and
+    the degenerate share (the questions every episode of a group gets right or wrong alike: no GRPO/GSPO signal)
+    before and after the band."""
     out: dict = {}
     for split in sorted({r["split"] for r in rows}):
         rs = [r for r in rows if r["split"] == split]
         kept = [r for r in rs if min_pass <= r["passes"] <= max_pass]
         entry: dict = {"questions": len(rs), "kept": len(kept), "dropped": len(rs) - len(kept),
                        "degenerate_share": _degenerate(rs, k), "degenerate_share_kept": _degenerate(kept, k),
-                       "mean_pass_rate": round(sum(r["passes"] for r in rs) / (k * len(rs)), 4)}
+                       "mean_pass_rate": round(sum(r["passes"] for r in rs) / (k * len(rs)), 4),
+                       "histogram": _counts(rs, k)}
         for t in sorted({r["type"] for r in rs}):
             ts = [r for r in rs if r["type"] == t]
             entry[t] = {"kept": sum(min_pass <= r["passes"] <= max_pass for r in ts), "questions": len(ts),
-                        "histogram": [sum(r["passes"] == p for r in ts) for p in range(k + 1)]}
+                        "histogram": _counts(ts, k)}
         out[split] = entry
     return out
+
+
+def _counts(rows: Sequence[dict], k: int) -> dict[str, int]:
+    """Questions per pass count, ``{"0": n0, ..., "k": nk}``: a mapping, not a list, because `dvc exp show` drops
+    list values and shows a mapping's entries as columns (``histogram.0`` ...)."""
+    return {str(p): sum(r["passes"] == p for r in rows) for p in range(k + 1)}
 
 
 def _degenerate(rows: Sequence[dict], k: int) -> float:

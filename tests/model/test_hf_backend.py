@@ -212,3 +212,17 @@ def test_run_episodes_with_episode_cache_equals_uncached():
     one = run_episodes(qs, be, Tools(), replace(cfg, max_live_episodes=1))
     assert [t.token_ids for t in one] == [t.token_ids for t in on]
     assert not be._entries and be._cached_tokens == 0 and not be._owner  # every finished episode released
+
+
+def test_release_keeps_an_entry_another_live_dialogue_shares():
+    """Two live dialogues with the same tokens (greedy samples of one question) share one cache entry: releasing one
+    keeps it for the other; releasing both drops it."""
+    _, proc, model = tiny_stack()
+    be = HFBackend(model, proc)
+    a, b = dialogues()[3], dialogues()[3]
+    ga, gb = be.generate([a, b], max_new_tokens=6, stop=())
+    assert ga.token_ids == gb.token_ids and len(be._entries) == 1 and len(be._owner) == 2
+    be.release([a])
+    assert len(be._entries) == 1 and be._cached_tokens > 0 and list(be._owner) == [id(b)]
+    be.release([b])
+    assert not be._entries and be._cached_tokens == 0 and not be._owner

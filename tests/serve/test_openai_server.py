@@ -105,6 +105,23 @@ def test_chat_completion_matches_backend_with_image_and_logprobs(server):
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
 
 
+def test_the_matched_stop_string_is_named_in_stop_reason(server):
+    """Like vLLM: the stop string that ended the generation is cut from the text and named in ``stop_reason`` (so
+    a client restores what the model wrote, e.g. ``</answer>`` after an opened ``<tool_call>``); null without one."""
+    url, backend = server
+    direct = backend.generate([to_internal(vqa_messages())], max_new_tokens=10, temperature=0.0, stop=())[0]
+    tok = backend.tokenizer
+    stop = tok.decode(direct.token_ids[:1])  # the first generated token's text: the stop matches right after it
+    assert stop.strip() and len(direct.token_ids) > 1
+    body = {"model": "tiny", "messages": vqa_messages(), "max_tokens": 10, "temperature": 0.0, "logprobs": True,
+            "stop": ["</never>", stop]}
+    choice = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert choice["message"]["content"] == "" and len(choice["logprobs"]["content"]) == 1
+    plain = httpx.post(f"{url}/v1/chat/completions", json={**body, "stop": []}, timeout=60).json()["choices"][0]
+    assert plain["stop_reason"] is None and plain["message"]["content"] == direct.text
+
+
 def test_openai_client_image_data_url_logprobs_and_usage(server):
     url, backend = server
     expected_prompt = prompt_tokens_by_processor(backend.processor)

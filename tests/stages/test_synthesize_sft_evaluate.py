@@ -232,8 +232,9 @@ def test_synthesize_mines_with_a_checkpoint_saves_the_counts_and_resumes(built, 
     assert all(c["k"] == 2 and c["split"] == "rl" and 0 <= c["passes"] <= 2 for c in counts)
     solved = sum(c["passes"] > 0 for c in counts)  # the untrained model: dropped by the band 0..0
     assert m["mined"] == len(rl) and m["mined_kept"] == len(rl) - solved
-    assert m["mining"]["rl"]["questions"] == len(rl) and sum(
-        sum(t["histogram"]) for k, t in m["mining"]["rl"].items() if isinstance(t, dict)) == len(rl)
+    types = {k: t for k, t in m["mining"]["rl"].items() if k != "histogram" and isinstance(t, dict)}
+    assert m["mining"]["rl"]["questions"] == len(rl) == sum(sum(t["histogram"].values()) for t in types.values())
+    assert sum(m["mining"]["rl"]["histogram"].values()) == len(rl)
     chunks = sorted((tmp_path / "scratch/mining").glob("*/chunk-*.parquet"))
     assert chunks and sum(pq.read_metadata(c).num_rows for c in chunks) == len(rl)
     # a rerun finds every count saved: it plays nothing and writes the same table
@@ -724,6 +725,41 @@ def test_mine_keeps_the_band_of_the_sft_pass_counts(trained, tmp_path):
     assert int(rows[2].split(",")[1]) == len(kept) and sum(int(r.split(",")[1]) for r in rows[1:]) == len(rl)
     with pytest.raises(ValueError, match="min_pass <= max_pass <= k"):
         mine.Params(enabled=True, k=2, min_pass=1, max_pass=3)
+
+
+def test_mining_the_sft_checkpoint_through_mars_serve_equals_local_mining(trained, tmp_path):
+    """Mining through an endpoint is the same filter: the greedy pass counts, and the whole multi-turn episodes, of
+    the trained smoke policy served by `mars serve` equal those of the checkpoint in process (its turns are the
+    tokenizer's own splits, so the server's rendering of earlier turns from their text gives the same context)."""
+    from mars.agent.engine import run_episodes
+    from mars.synth.mining import mine, mining_backend
+    from tests.serve.test_openai_server import start_mars_serve, wait_serving
+
+    b = trained
+    rl = questions(b, "rl")
+    ckpt = b.tmp / "sft/model"
+    kw = dict(k=2, temperature=0.0, seed=0, image_root=b.tmp / "synth", index_dir=b.tmp / "index",
+              gallery_dir=b.tmp / "world/gallery", label="mine", progress=False)
+    local = mine(rl, b.agent, checkpoint=str(ckpt), base_url="", model="", scratch=tmp_path / "local", **kw)
+    p, url = start_mars_serve(ckpt, tmp_path / "serve.log")
+    try:
+        wait_serving(p, url, tmp_path / "serve.log")
+        remote = mine(rl, b.agent, checkpoint="", base_url=f"{url}/v1", model="tiny", scratch=tmp_path / "remote",
+                      **kw)
+        assert remote == local
+        assert {c["passes"] for c in local} == {0, 2}, "greedy: both samples agree; the policy solves some, not all"
+        toolbox, cfg = b.agent.toolbox(b.tmp / "index", b.tmp / "world/gallery"), b.agent.engine(temperature=0.0)
+        served = run_episodes(rl, mining_backend("", f"{url}/v1", "tiny", b.agent, "mine"), toolbox, cfg,
+                              image_root=b.tmp / "synth")
+        here = run_episodes(rl, mining_backend(str(ckpt), "", "", b.agent, "mine"), toolbox, cfg,
+                            image_root=b.tmp / "synth")
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
+    assert [t.row()["messages_json"] for t in served] == [t.row()["messages_json"] for t in here]
+    turns = [sum(m["role"] == "assistant" for m in json.loads(t.row()["messages_json"])) for t in here]
+    assert max(turns) >= 2, f"no multi-turn episode to compare: {turns}"
+    assert all(t.finish_reason != "backend_error" for t in served)
 
 
 # ------------------------------------------------------------------------------------------------ evaluate

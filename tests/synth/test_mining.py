@@ -87,11 +87,12 @@ def test_band_histogram_and_metrics():
     assert sum(h["questions"] for h in hist) == 6 and len(hist) == 3 * 5
     m = band_metrics(rows, 4, 1, 3)
     # rl: passes 0,2,4,1,1 -> kept 2,1,1 (3), dropped 0 and 4 (2); degenerate (0 or 4 of 4): 2/5 = 0.4, kept 0;
-    # mean pass rate (0+2+4+1+1) / (4*5) = 0.4
+    # mean pass rate (0+2+4+1+1) / (4*5) = 0.4; histogram of 0..4 passes: one 0, two 1s, one 2, one 4
     assert m["rl"] == {"questions": 5, "kept": 3, "dropped": 2, "degenerate_share": 0.4,
                        "degenerate_share_kept": 0.0, "mean_pass_rate": 0.4,
-                       "perception": {"kept": 2, "questions": 2, "histogram": [0, 2, 0, 0, 0]},
-                       "search": {"kept": 1, "questions": 3, "histogram": [1, 0, 1, 0, 1]}}
+                       "histogram": {"0": 1, "1": 2, "2": 1, "3": 0, "4": 1},
+                       "perception": {"kept": 2, "questions": 2, "histogram": {"0": 0, "1": 2, "2": 0, "3": 0, "4": 0}},
+                       "search": {"kept": 1, "questions": 3, "histogram": {"0": 1, "1": 0, "2": 1, "3": 0, "4": 1}}}
     assert m["sft"]["kept"] == 1 and m["sft"]["mean_pass_rate"] == 0.75
     passes = {r["question_id"]: r["passes"] for r in rows}
     assert [r["question_id"] for r in keep_band(rows, passes, 1, 3)] == ["q1", "q3", "q4", "q5"]
@@ -128,7 +129,7 @@ def test_mining_through_mars_serve_equals_local_mining(smoke, tmp_path):  # noqa
     """The same filter over an endpoint: greedy pass counts and episodes through `mars serve` equal the local
     checkpoint's (the tiny random model answers nothing right, so the texts are compared too). One turn: the
     random model's bytes do not survive the server's re-rendering of earlier turns from text (mars.agent.engine,
-    Sampled tokens)."""
+    Sampled tokens); tests/stages/test_synthesize_sft_evaluate.py compares a trained policy's multi-turn episodes."""
     from mars.agent.engine import run_episodes
     from mars.model.build import save_checkpoint
     from tests.model.test_hf_backend import tiny_stack

@@ -4,9 +4,9 @@ What it does
     For every (algorithm, seed) it runs the ``rl`` stage's ``run()`` with the params of params.yaml except
     ``rl.algorithm`` and ``rl.seed``, on the prompts the ``rl`` stage reads (``data/mine/questions.parquet``: the
     ``mine`` stage's pass-count band when it is on; ``--rl-questions`` names another file), into
-    ``<out>/<algorithm>-s<seed>/``, then evaluates that checkpoint with the
-    ``evaluate`` stage's ``run()`` (``runs: [rl/agentic]``, plus ``sft/agentic`` once as the reference; evaluation
-    results are reused when a checkpoint was already scored). It prints and writes (``--summary``) the
+    ``<out>/<algorithm>-s<seed>/``, then evaluates that checkpoint with the ``evaluate`` stage's ``run()``
+    (``runs: [rl/agentic]``, plus ``sft/agentic`` once as the reference; evaluation results are reused when a
+    checkpoint was already scored). It prints and writes (``--summary``) the
     test accuracy per algorithm and seed, the mean and spread (min..max, std) over seeds, the change against the
     SFT checkpoint and how many seeds beat it (:func:`aggregate`), localisation (``first_zoom_framed``), and each
     run's reward curve (first / last 5 steps) and wall-clock time, so SFT-only and SFT+RL can be compared at equal

@@ -8,15 +8,15 @@ What it does
       Images go as ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``; the request
       asks for ``logprobs: true`` and stops at ``</tool_call>`` and ``</answer>``. Servers that strip the matched
       stop string (vLLM, OpenAI) get it re-appended: from ``stop_reason`` when the server names it (vLLM,
-      ``mars serve``), otherwise by closing the action tag left open at the end of the text. Per-token ``logprobs`` are parsed from
-      ``choices[0].logprobs.content``; ``token_ids`` from ``choices[0].token_ids`` (newer vLLM with
-      ``return_token_ids``) or from tokens rendered as ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``,
-      sent when ``token_ids=True``); otherwise ``None``. vLLM's fields beyond OpenAI's schema travel through the
-      client (``extra_body`` out; ``stop_reason`` and ``token_ids`` back). Network errors, timeouts (``timeout_s``
-      per attempt), 429 and 5xx are retried ``retries`` times with exponential backoff ``backoff_s * 2**k``; a
-      request that still fails (or is refused with another 4xx, or answered with no chat completion) becomes
-      ``Generation("", finish_reason="error")`` (the engine ends that episode as ``backend_error``) and its error
-      line is appended to ``self.errors``; a batch never raises.
+      ``mars serve``), otherwise by closing the action tag left open at the end of the text. Per-token
+      ``logprobs`` are parsed from ``choices[0].logprobs.content``; ``token_ids`` from ``choices[0].token_ids``
+      (newer vLLM with ``return_token_ids``) or from tokens rendered as ``token_id:N`` (vLLM's
+      ``return_tokens_as_token_ids``, sent when ``token_ids=True``); otherwise ``None``. vLLM's fields beyond
+      OpenAI's schema travel through the client (``extra_body`` out; ``stop_reason`` and ``token_ids`` back).
+      Network errors, timeouts (``timeout_s`` per attempt), 429 and 5xx are retried ``retries`` times with
+      exponential backoff ``backoff_s * 2**k``; a request that still fails (or is refused with another 4xx, or
+      answered with no chat completion) becomes ``Generation("", finish_reason="error")`` (the engine ends that
+      episode as ``backend_error``) and its error line is appended to ``self.errors``; a batch never raises.
       Dialogue ``i`` of a batch is sent with ``seed + i`` (so the samples of a GRPO group differ); every image is
       PNG-encoded once and its data URL reused on later turns (a cache keyed by the live image object).
     - :class:`ScriptedBackend` calls ``policy(dialogue) -> str`` per dialogue (no token ids, no logprobs) and

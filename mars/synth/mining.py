@@ -129,9 +129,8 @@ def histogram(rows: Sequence[dict], k: int) -> list[dict]:
 
 def band_metrics(rows: Sequence[dict], k: int, min_pass: int, max_pass: int) -> dict:
     """Kept and dropped counts per split and type, the histogram of pass counts 0..k (per split and per type,
-    :func:`_counts`), and
-    the degenerate share (the questions every episode of a group gets right or wrong alike: no GRPO/GSPO signal)
-    before and after the band."""
+    :func:`_counts`), and the degenerate share (the questions every episode of a group gets right or wrong alike:
+    no GRPO/GSPO signal) before and after the band."""
     out: dict = {}
     for split in sorted({r["split"] for r in rows}):
         rs = [r for r in rows if r["split"] == split]
